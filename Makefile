@@ -1,0 +1,48 @@
+# Everything runs from the project's own .venv, bootstrapped on first use.
+PY     := .venv/bin/python
+STAMP  := .venv/.installed-stamp
+TASK   ?= llama3-sft
+PYTEST := $(PY) -m pytest -q -p no:randomly
+
+.PHONY: venv record record-all grade grade-all test test-full bench assets stale clean-venv
+
+venv: $(STAMP)
+
+# torch==2.13.0 first: that CPU build lies on this machine's disk, any other version downloads gigabytes.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[torch,dev]'
+	touch $(STAMP)
+
+record: venv          ## make record TASK=llama3-sft
+	$(PY) -m recorder task=$(TASK)
+
+record-all: venv      ## every task, one Hydra multirun in parallel (joblib launcher)
+	$(PY) -m recorder -m 'task=glob(*)' hydra/launcher=joblib
+
+grade: venv           ## make grade TASK=llama3-sft [CANDIDATE=path]
+	$(PY) -m grader task=$(TASK) $(if $(CANDIDATE),candidate=$(CANDIDATE),)
+
+stale: venv
+	$(PY) -m recorder stale=true
+
+test: venv            ## the CI suite: fast tests + the static independence contract
+	$(PY) -m recorder stale=true
+	.venv/bin/lint-imports --config pyproject.toml
+	$(PYTEST) -m "not slow and not gpu"
+
+test-full: venv       ## everything, slow tests included (every recorded task graded)
+	$(PYTEST) -m "not gpu"
+
+bench: venv
+	$(PY) bench/bench_sft.py
+
+assets: venv          ## regenerate the tiny checkpoints, tokenizer and datasets (byte-identical)
+	$(PY) tools/make_tokenizer.py
+	$(PY) tools/make_datasets.py
+	$(PY) tools/make_checkpoints.py
+
+clean-venv:
+	rm -rf .venv

@@ -1,0 +1,98 @@
+"""Steady-state time of one SFT optimizer step: torch_sources vs jax_oracles (LoRA on tiny Llama 3).
+
+One step = GA micro-batches of forward + backward, grad clip, AdamW, schedule: the loop body of
+train_sft, on the epoch-0 batches of the shipped dataset. Torch runs eagerly on batches padded
+to a multiple of 8 (as its train_sft does); JAX runs its one jitted step on batches padded to
+the dataset's fixed length (as its train_sft does). Warm-up steps (and the JAX compile) are
+excluded; rounds of the two frameworks alternate so that a change in machine load hits both,
+and the best round of each is reported (the least disturbed one).
+
+    python bench/bench_sft.py [--rounds 5]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jax_oracles.training import sft as j_sft
+from jax_oracles.training.lora import init_lora_tree
+from torch_sources.training import sft as t_sft
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "assets" / "checkpoints" / "llama3"
+TOKENIZER = ROOT / "assets" / "tokenizer" / "llama3"
+DATA = ROOT / "assets" / "data" / "sft"
+
+
+def torch_runner():
+    args = t_sft.TrainArgs()
+    feats = t_sft.load_processed_dataset(TOKENIZER, DATA, "train", args)
+    collate = t_sft.make_collator(args, TOKENIZER)
+    steps = [[collate([feats[i] for i in idx]) for idx in step] for step in t_sft.step_example_indices(len(feats), args, 0)]
+    model = t_sft.load_model(MODEL, t_sft.lora_config(args), args.seed)
+    model.train()
+    optimizer, scheduler = t_sft.create_optimizer(model.named_parameters(), args, 10 ** 6)
+
+    def run(num_steps: int) -> float:
+        start = time.perf_counter()
+        for i in range(num_steps):
+            t_sft._train_step(model, optimizer, scheduler, steps[i % len(steps)], args.max_grad_norm)
+        return time.perf_counter() - start
+
+    return run
+
+
+def jax_runner():
+    args = j_sft.TrainArgs()
+    feats = j_sft.load_processed_dataset(TOKENIZER, DATA, "train", args)
+    length = j_sft._bucket_length(feats)
+    collate = j_sft.make_collator(args, TOKENIZER, pad_to_length=length)
+    shape = (args.gradient_accumulation_steps, args.per_device_train_batch_size, length)
+    steps = [j_sft._stack_step([collate([feats[i] for i in idx]) for idx in step], *shape, collate.pad_token_id)
+             for step in j_sft.step_example_indices(len(feats), args, 0)]
+    model = j_sft.load_model(MODEL, j_sft.lora_config(args))
+    tx = j_sft.create_optimizer(args, 10 ** 6)
+    step_fn = j_sft._train_step_fn(model.module, tx)
+    state = {"lora": init_lora_tree(model.params, j_sft.lora_config(args), args.seed)}
+    state["opt"] = tx.init(state["lora"])
+
+    def run(num_steps: int) -> float:
+        start = time.perf_counter()
+        for i in range(num_steps):
+            # host-side batch building is part of the JAX loop too (train_sft stacks each step)
+            batches = {k: np.asarray(v) for k, v in steps[i % len(steps)].items()}
+            state["lora"], state["opt"], loss = step_fn(model.params, state["lora"], state["opt"], batches)
+        jax.block_until_ready(loss)
+        return time.perf_counter() - start
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per round")
+    opts = parser.parse_args()
+    jax.config.update("jax_default_matmul_precision", "highest")
+
+    runners = {"torch": torch_runner(), "jax": jax_runner()}
+    for run in runners.values():
+        run(3)  # warm-up (JAX: compile)
+    times = {name: [] for name in runners}
+    for _ in range(opts.rounds):
+        for name, run in runners.items():
+            times[name].append(run(opts.steps) / opts.steps * 1e3)
+    best = {name: min(ms) for name, ms in times.items()}
+    for name, ms in times.items():
+        print(f"{name:5s} step ms: best {best[name]:7.2f}  median {statistics.median(ms):7.2f}")
+    print(f"torch step ms {best['torch']:.2f}  jax step ms {best['jax']:.2f}  "
+          f"ratio jax/torch {best['jax'] / best['torch']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""HF Gemma 4 text checkpoint -> Flax Linen params of jax_oracles/models/gemma4.py, torch-free.
+
+One declarative table maps every HF tensor name to a param path. The conversion is checked
+both ways: every source tensor must be used by exactly one rule (or be one of the k/v tensors
+that KV-shared layers ignore, see `_ignored`), and every param the Flax model declares
+(names and shapes from `jax.eval_shape(model.init)`) must be written.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from conversion import safetensors_io as st_io
+from jax_oracles.models.gemma4 import Gemma4ForCausalLM, Gemma4TextConfig
+
+__all__ = ["RULES", "load_config", "convert_state_dict", "load_params"]
+
+
+def _keep(w: np.ndarray) -> np.ndarray:
+    return w
+
+
+def _linear(w: np.ndarray) -> np.ndarray:  # torch [out, in] -> flax kernel [in, out]
+    return w.T
+
+
+ATTN, MLP = "(q_proj|k_proj|v_proj|o_proj)", "(gate_proj|up_proj|down_proj)"
+NORMS = ("(input_layernorm|post_attention_layernorm|pre_feedforward_layernorm|post_feedforward_layernorm"
+         "|post_per_layer_input_norm)")
+PLE = "(per_layer_input_gate|per_layer_projection)"
+# (HF name regex, "/"-separated param path formatted with the regex groups, transform)
+RULES = [
+    (r"model\.embed_tokens\.weight", "model/embed_tokens/embedding", _keep),
+    (r"model\.embed_tokens_per_layer\.weight", "model/embed_tokens_per_layer/embedding", _keep),
+    (r"model\.per_layer_model_projection\.weight", "model/per_layer_model_projection/kernel", _linear),
+    (r"model\.per_layer_projection_norm\.weight", "model/per_layer_projection_norm/weight", _keep),
+    (rf"model\.layers\.(\d+)\.self_attn\.{ATTN}\.weight", "model/layers_{0}/self_attn/{1}/kernel", _linear),
+    (rf"model\.layers\.(\d+)\.self_attn\.{ATTN}\.bias", "model/layers_{0}/self_attn/{1}/bias", _keep),
+    (r"model\.layers\.(\d+)\.self_attn\.(q_norm|k_norm)\.weight", "model/layers_{0}/self_attn/{1}/weight", _keep),
+    (rf"model\.layers\.(\d+)\.mlp\.{MLP}\.weight", "model/layers_{0}/mlp/{1}/kernel", _linear),
+    (rf"model\.layers\.(\d+)\.{NORMS}\.weight", "model/layers_{0}/{1}/weight", _keep),
+    (rf"model\.layers\.(\d+)\.{PLE}\.weight", "model/layers_{0}/{1}/kernel", _linear),
+    (r"model\.layers\.(\d+)\.layer_scalar", "model/layers_{0}/layer_scalar", _keep),
+    (r"model\.norm\.weight", "model/norm/weight", _keep),
+    (r"lm_head\.weight", "lm_head/kernel", _linear),
+]
+
+
+def load_config(path) -> Gemma4TextConfig:
+    """Gemma4TextConfig from an HF checkpoint directory's config.json."""
+    return Gemma4TextConfig.from_hf(st_io.load_config(path))
+
+
+def _ignored(config: Gemma4TextConfig, name: str) -> bool:
+    # Released checkpoints may still carry k/v weights on KV-shared layers (transformers drops
+    # them via _keys_to_ignore_on_load_unexpected); so may a tied one carry lm_head.
+    if name == "lm_head.weight":
+        return config.tie_word_embeddings
+    m = re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.\w+", name)
+    return m is not None and config.is_kv_shared(int(m.group(1)))
+
+
+def _expected_shapes(config: Gemma4TextConfig) -> dict[str, tuple[int, ...]]:
+    ids = jnp.zeros((1, 1), jnp.int32)
+    shapes = jax.eval_shape(Gemma4ForCausalLM(config).init, jax.random.key(0), ids)["params"]
+    return {path: tuple(leaf.shape) for path, leaf in traverse_util.flatten_dict(shapes, sep="/").items()}
+
+
+def convert_state_dict(state: dict[str, np.ndarray], config: Gemma4TextConfig) -> dict:
+    """HF-named numpy tensors -> nested Linen `params` dict of f32 jax arrays."""
+    state = {k: v for k, v in state.items() if not _ignored(config, k)}
+    flat, used = {}, set()
+    for name, w in state.items():
+        for pattern, target, fn in RULES:
+            m = re.fullmatch(pattern, name)
+            if m:
+                path = target.format(*m.groups())
+                if path in flat:
+                    raise ValueError(f"{name}: param {path} written twice")
+                flat[path] = np.asarray(fn(np.asarray(w).astype(np.float32)))
+                used.add(name)
+                break
+    expected = _expected_shapes(config)
+    unused, unwritten = sorted(set(state) - used), sorted(expected.keys() - flat.keys())
+    extra = sorted(flat.keys() - expected.keys())
+    if unused or unwritten or extra:
+        raise ValueError(
+            f"checkpoint/model mismatch: unused source tensors {unused}, params never written {unwritten}, "
+            f"params the model does not declare {extra}")
+    bad = {p: (flat[p].shape, s) for p, s in expected.items() if flat[p].shape != s}
+    if bad:
+        raise ValueError(f"shape mismatch (got, expected): {bad}")
+    return traverse_util.unflatten_dict({p: jnp.asarray(w) for p, w in flat.items()}, sep="/")
+
+
+def load_params(path) -> dict:
+    """Linen `params` tree for jax_oracles.models.gemma4.Gemma4ForCausalLM from an HF checkpoint dir."""
+    return convert_state_dict(st_io.load_state_dict(path), load_config(path))

@@ -1,0 +1,88 @@
+"""HF Llama 3 checkpoint -> Flax Linen params of jax_oracles/models/llama3.py, torch-free.
+
+One declarative table maps every HF tensor name to a param path. The conversion is checked
+both ways: every source tensor must be used by exactly one rule, and every param the Flax
+model declares (names and shapes from `jax.eval_shape(model.init)`) must be written.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from conversion import safetensors_io as st_io
+from jax_oracles.models.llama3 import LlamaConfig, LlamaForCausalLM
+
+__all__ = ["RULES", "load_config", "convert_state_dict", "load_params"]
+
+
+def _keep(w: np.ndarray) -> np.ndarray:
+    return w
+
+
+def _linear(w: np.ndarray) -> np.ndarray:  # torch [out, in] -> flax kernel [in, out]
+    return w.T
+
+
+ATTN, MLP = "(q_proj|k_proj|v_proj|o_proj)", "(gate_proj|up_proj|down_proj)"
+NORMS = "(input_layernorm|post_attention_layernorm)"
+# (HF name regex, "/"-separated param path formatted with the regex groups, transform)
+RULES = [
+    (r"model\.embed_tokens\.weight", "model/embed_tokens/embedding", _keep),
+    (rf"model\.layers\.(\d+)\.self_attn\.{ATTN}\.weight", "model/layers_{0}/self_attn/{1}/kernel", _linear),
+    (rf"model\.layers\.(\d+)\.self_attn\.{ATTN}\.bias", "model/layers_{0}/self_attn/{1}/bias", _keep),
+    (rf"model\.layers\.(\d+)\.mlp\.{MLP}\.weight", "model/layers_{0}/mlp/{1}/kernel", _linear),
+    (rf"model\.layers\.(\d+)\.mlp\.{MLP}\.bias", "model/layers_{0}/mlp/{1}/bias", _keep),
+    (rf"model\.layers\.(\d+)\.{NORMS}\.weight", "model/layers_{0}/{1}/weight", _keep),
+    (r"model\.norm\.weight", "model/norm/weight", _keep),
+    (r"lm_head\.weight", "lm_head/kernel", _linear),
+]
+
+
+def load_config(path) -> LlamaConfig:
+    """LlamaConfig from an HF checkpoint directory's config.json."""
+    return LlamaConfig.from_hf(st_io.load_config(path))
+
+
+def _expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    ids = jnp.zeros((1, 1), jnp.int32)
+    shapes = jax.eval_shape(LlamaForCausalLM(config).init, jax.random.key(0), ids, ids)["params"]
+    return {path: tuple(leaf.shape) for path, leaf in traverse_util.flatten_dict(shapes, sep="/").items()}
+
+
+def convert_state_dict(state: dict[str, np.ndarray], config: LlamaConfig) -> dict:
+    """HF-named numpy tensors -> nested Linen `params` dict of f32 jax arrays."""
+    state = dict(state)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # some tied releases still store the shared copy
+    flat, used = {}, set()
+    for name, w in state.items():
+        for pattern, target, fn in RULES:
+            m = re.fullmatch(pattern, name)
+            if m:
+                path = target.format(*m.groups())
+                if path in flat:
+                    raise ValueError(f"{name}: param {path} written twice")
+                flat[path] = np.asarray(fn(np.asarray(w).astype(np.float32)))
+                used.add(name)
+                break
+    expected = _expected_shapes(config)
+    unused, unwritten = sorted(set(state) - used), sorted(expected.keys() - flat.keys())
+    extra = sorted(flat.keys() - expected.keys())
+    if unused or unwritten or extra:
+        raise ValueError(
+            f"checkpoint/model mismatch: unused source tensors {unused}, params never written {unwritten}, "
+            f"params the model does not declare {extra}")
+    bad = {p: (flat[p].shape, s) for p, s in expected.items() if flat[p].shape != s}
+    if bad:
+        raise ValueError(f"shape mismatch (got, expected): {bad}")
+    return traverse_util.unflatten_dict({p: jnp.asarray(w) for p, w in flat.items()}, sep="/")
+
+
+def load_params(path) -> dict:
+    """Linen `params` tree for jax_oracles.models.llama3.LlamaForCausalLM from an HF checkpoint dir."""
+    return convert_state_dict(st_io.load_state_dict(path), load_config(path))

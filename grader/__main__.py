@@ -1,0 +1,32 @@
+"""`python -m grader task=llama3-sft [candidate=PATH]`: last line is `reward=<4 decimals>`."""
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+CONFIGS = str(Path(__file__).resolve().parents[1] / "configs")
+
+
+@hydra.main(version_base=None, config_path=CONFIGS, config_name="grader")
+def main(cfg: DictConfig) -> None:
+    from grader.app import ROOT, grade
+    from grader.h5schema import ReferenceError
+
+    if "task_name" not in cfg:
+        from recorder.app import known_tasks
+        print(f"no task given: pass task=NAME; valid tasks: {', '.join(known_tasks())}", file=sys.stderr)
+        sys.exit(2)
+    candidate = Path(cfg.candidate).resolve() if cfg.candidate else ROOT
+    try:
+        report = grade(cfg, candidate, ROOT / cfg.references, ROOT / cfg.report_dir,
+                       pass_bar=cfg.pass_bar, budget_factor=cfg.budget.factor, budget_min_s=cfg.budget.min_s,
+                       spec_timeout=cfg.timeouts.spec, numeric_timeout=cfg.timeouts.numeric)
+    except ReferenceError as e:
+        print(f"cannot grade {cfg.task_name}: {e}", file=sys.stderr)
+        sys.exit(1)
+    print(f"reward={report['reward']:.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Grade a candidate tree against a recorded reference: sandboxed runs, scores, lattice, reward."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from grader import gate
+from grader.checks import checks_for
+from grader.h5schema import Reference, read_arrays, read_reference, write_arrays
+from grader.lattice import Check, earned_levels
+from grader.measures import score as measure_score
+from grader.reward import reward as compute_reward
+
+ROOT = Path(__file__).resolve().parents[1]
+console = Console(width=150)
+# One sandboxed child per group of levels: a crash or a hang costs that group, never the grader.
+# Training L6 scores the adapter the L5 run trained, so they share a child; serving L6 inputs hold
+# the greedy continuations, so they never share a child with the L5 check that must produce them.
+LEVEL_GROUPS = {
+    "training": (("L0",), ("L1",), ("L2",), ("L3",), ("L4",), ("L5", "L6")),
+    "serving": (("L0",), ("L1",), ("L2",), ("L3",), ("L4",), ("L5",), ("L6",)),
+}
+
+
+def _asset_paths(cfg) -> dict[str, str]:
+    """Inputs the candidate may read besides the inputs file: checkpoint, tokenizer, raw data."""
+    paths = {"checkpoint": cfg.family.checkpoint}
+    if "tokenizer" in cfg.family:
+        paths["tokenizer"] = cfg.family.tokenizer
+    if "data" in cfg:
+        paths["data"] = cfg.data.dir
+    return paths
+
+
+def _task_meta(cfg) -> dict:
+    from omegaconf import OmegaConf
+    d = OmegaConf.to_container(cfg, resolve=True)
+    return {k: d[k] for k in ("task_name", "family", "method", "mode", "data") if k in d}
+
+
+def _score_check(spec, rec, produced: dict | None, error: str | None, band, seconds: float) -> Check:
+    kw = dict(level=spec.level, name=spec.name, aspect=spec.aspect, measure=spec.measure, seconds=seconds)
+    if error is not None:
+        return Check(**kw, score=0.0, reason=error)
+    if produced is None:
+        return Check(**kw, score=0.0, reason="no output")
+    if spec.measure == "pass":  # a spec check passes when every recorded output is reproduced exactly
+        bad = [k for k, ref in rec.outputs.items()
+               if k not in produced or np.shape(produced[k]) != np.shape(ref) or not np.array_equal(produced[k], ref)]
+        return Check(**kw, score=0.0 if bad else 1.0, reason=f"differs: {', '.join(bad)}" if bad else None)
+    scores = []
+    for name, ref in rec.outputs.items():
+        if name not in produced:
+            return Check(**kw, score=0.0, reason=f"missing output {name!r}")
+        out = produced[name]
+        if np.asarray(out).dtype.kind == "f" and not np.all(np.isfinite(out)):
+            return Check(**kw, score=0.0, reason=f"non-finite values in {name!r}")
+        if spec.measure == "banded":
+            scores.append(measure_score("banded", out, (float(band[0]), float(band[1]))))
+        else:
+            scores.append(measure_score(spec.measure, out, ref))
+    s = float(np.mean(scores))
+    return Check(**kw, score=s if math.isfinite(s) else 0.0, reason=None if math.isfinite(s) else "NaN score")
+
+
+def grade(cfg, candidate: Path, references: Path, report_dir: Path, pass_bar: float = 0.99,
+          budget_factor: float = 5.0, budget_min_s: float = 120.0, spec_timeout: float = 120.0,
+          numeric_timeout: float = 300.0, quiet: bool = False) -> dict:
+    """Grade `candidate` on the task whose composed config is `cfg` (recorder or grader config)."""
+    from recorder.app import task_class  # torch-free modules (config + hashes only)
+    from recorder.provenance import stale_reasons
+
+    task = cfg.task_name
+    ref: Reference = read_reference(references / f"{task}.h5")
+    stale = stale_reasons(references / f"{task}.h5", cfg)
+    if stale and not quiet:
+        console.print(f"[yellow]warning: reference is stale[/] ({'; '.join(stale)})")
+    spec_checks, checks = checks_for(task_class(cfg))
+    all_specs = spec_checks + checks
+    results: list[Check] = []
+
+    offences = gate.static_scan(candidate)
+    lint_ok, lint_text = gate.run_import_linter(candidate)
+    if offences or not lint_ok:
+        why = "torch import: " + "; ".join(offences or [lint_text.strip().splitlines()[-1] if lint_text else "lint"])
+        results = [Check(s.level, s.name, s.aspect, s.measure, 0.0, why) for s in all_specs]
+        return _finish(task, candidate, results, ref, pass_bar, report_dir, stale, quiet, gated=why)
+    results.append(Check("L0", "torch_free", "spec", "pass", 1.0, None))
+
+    budget = max(budget_min_s, budget_factor * float(ref.attrs["wall_clock_s"]))
+    for group in LEVEL_GROUPS[task_class(cfg)]:
+        specs = [s for s in all_specs if s.level in group and s.key in ref.checks]
+        if not specs:
+            continue
+        timeout = spec_timeout if group == ("L0",) else budget + 60 if group[0] in ("L5", "L6") else numeric_timeout
+        produced, errors, seconds = _run_group(candidate, cfg, ref, specs, group, budget, timeout)
+        for s in specs:
+            results.append(_score_check(s, ref.checks[s.key], produced.get(s.key), errors.get(s.key), ref.band,
+                                        float(seconds.get(s.key, 0.0))))
+    return _finish(task, candidate, results, ref, pass_bar, report_dir, stale, quiet)
+
+
+def _run_group(candidate, cfg, ref, specs, group, budget, timeout):
+    with tempfile.TemporaryDirectory(prefix="t2j-grade-") as tmp:
+        tmp = Path(tmp)
+        assets = {}
+        for key, rel in _asset_paths(cfg).items():  # copied: the child never sees the repo
+            dst = tmp / "inputs" / key
+            shutil.copytree(ROOT / rel, dst)
+            assets[key] = str(dst)
+        inputs = tmp / "inputs.h5"
+        meta = {"task": _task_meta(cfg), "assets": assets, "checks": [s.key for s in specs],
+                "time_budget_s": budget}
+        write_arrays(inputs, {s.key: ref.checks[s.key].inputs for s in specs}, attrs={"meta": meta})
+        outputs = tmp / "outputs.h5"
+        started = time.perf_counter()
+        res = gate.run_sandboxed(candidate, f"grader.probes.{cfg_class(cfg)}:main", inputs, outputs, timeout)
+        if not res.ok or not outputs.is_file():
+            reason = res.reason or "no outputs written"
+            return {}, {s.key: reason for s in specs}, {s.key: time.perf_counter() - started for s in specs}
+        groups, attrs = read_arrays(outputs)
+        errors = attrs.get("errors", {}) or {}
+        seconds = attrs.get("seconds", {}) or {}
+        return groups, errors, seconds
+
+
+def cfg_class(cfg) -> str:
+    return cfg.method.task_class if "method" in cfg else cfg.mode.task_class
+
+
+def _finish(task, candidate, results, ref, pass_bar, report_dir, stale, quiet, gated=None) -> dict:
+    r = 0.0 if gated else compute_reward(results)
+    levels = earned_levels(results, pass_bar=pass_bar)
+    report = {"task": task, "candidate": str(candidate), "reward": r, "earned_levels": levels,
+              "gated": gated, "stale_reference": stale, "pass_bar": pass_bar,
+              "checks": [asdict(c) for c in results]}
+    report_dir.mkdir(parents=True, exist_ok=True)
+    (report_dir / f"{task}.json").write_text(json.dumps(report, indent=2, default=float))
+    if not quiet:
+        _print_table(task, results, r, levels)
+    return report
+
+
+def _print_table(task, results, r, levels):
+    t = Table(title=f"{task}: earned up to {levels}")
+    for col in ("level", "check", "aspect", "measure", "score", "seconds", "reason"):
+        t.add_column(col)
+    for c in results:
+        colour = "green" if c.score >= 0.999 else "yellow" if c.score >= 0.99 else "red"
+        t.add_row(c.level, c.name, c.aspect, c.measure, f"[{colour}]{c.score:.6f}[/]", f"{c.seconds:.1f}",
+                  c.reason or "")
+    console.print(t)

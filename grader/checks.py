@@ -1,0 +1,97 @@
+"""The catalog of checks per task class: level, aspect and measure of every check.
+
+Shared by the recorder (which writes each check's inputs and reference outputs) and the grader
+(which hands the inputs to a candidate and scores its outputs with the check's measure).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    level: str
+    name: str
+    aspect: str   # "spec" | "numeric" | "behavioral"
+    measure: str  # grader.measures.MEASURES key ("pass" for spec checks)
+    what: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.level}/{self.name}"
+
+
+def _c(level, name, aspect, measure, what):
+    return CheckSpec(level, name, aspect, measure, what)
+
+
+# Spec checks run in the grader only (nothing to record but the expected names and shapes).
+TRAINING_SPEC = (
+    _c("L0", "torch_free", "spec", "pass", "no torch/transformers/torch_sources import, direct or indirect"),
+    _c("L0", "layout", "spec", "pass", "every mirrored module exists and exposes the torch twin's public names"),
+    _c("L0", "param_tree", "spec", "pass", "converted checkpoint: every tensor used, same element counts and shapes"),
+    _c("L0", "lora_trainable", "spec", "pass", "LoRA trainable set: same PEFT names and shapes, base frozen"),
+)
+
+TRAINING_CHECKS = (
+    _c("L1", "rms_norm", "numeric", "tensor", "RMSNorm on random activations"),
+    _c("L1", "rope", "numeric", "tensor", "llama3-scaled inverse frequencies, cos/sin and rotation"),
+    _c("L1", "mlp", "numeric", "tensor", "SwiGLU MLP of layer 0"),
+    _c("L1", "attention_core", "numeric", "tensor", "eager GQA attention with causal+padding mask"),
+    _c("L1", "lora_linear", "numeric", "tensor", "LoRA linear y = xW^T + s (xA^T)B^T"),
+    _c("L1", "data_tokens", "numeric", "agreement", "template+processor token ids on the raw train set"),
+    _c("L1", "data_labels", "numeric", "agreement", "label masks (-100 on prompts) on the raw train set"),
+    _c("L1", "collate", "numeric", "agreement", "collator padding and attention mask of the first batch"),
+    _c("L2", "decoder_layer", "numeric", "tensor", "decoder layer 0 on random hidden states"),
+    _c("L3", "logits_b1_t7", "numeric", "tensor", "full-model logits, batch 1 x 7"),
+    _c("L3", "logits_b2_t16_pad", "numeric", "tensor", "full-model logits, batch 2 x 16, right padding"),
+    _c("L3", "logits_b3_t33_pad", "numeric", "tensor", "full-model logits, batch 3 x 33, ragged padding"),
+    _c("L3", "next_token_dist", "numeric", "distributional", "next-token distributions of the padded batch"),
+    _c("L4", "loss_step0", "numeric", "scalar", "SFT loss of the first accumulation step, LoRA init"),
+    _c("L4", "lora_grads_step0", "numeric", "tensor", "LoRA gradients of the first accumulation step"),
+    _c("L4", "fixed_steps_loss", "behavioral", "scalar", "losses of k optimizer steps on fixed batches"),
+    _c("L4", "fixed_steps_params", "behavioral", "tensor", "LoRA params after k optimizer steps"),
+    _c("L5", "e2e_step_losses", "behavioral", "scalar", "per-step training losses of the candidate's own entry point"),
+    _c("L5", "e2e_adapter", "behavioral", "tensor", "trained adapter after the end-to-end run"),
+    _c("L6", "heldout_loss", "behavioral", "banded", "held-out loss of the trained adapter, banded by seed spread"),
+)
+
+SERVING_SPEC = (
+    _c("L0", "torch_free", "spec", "pass", "no torch/transformers/torch_sources import, direct or indirect"),
+    _c("L0", "layout", "spec", "pass", "every mirrored serving module exposes the torch twin's public names"),
+    _c("L0", "engine_api", "spec", "pass", "LLMEngine and ModelRunner expose the engine API"),
+    _c("L0", "param_tree", "spec", "pass", "converted checkpoint: same element counts"),
+)
+
+SERVING_CHECKS = (
+    _c("L1", "paged_attention", "numeric", "tensor", "ragged paged attention: prefill, chunk and decodes in one call"),
+    _c("L1", "paged_attention_window_softcap", "numeric", "tensor", "the same with sliding window and soft-cap"),
+    _c("L1", "rope", "numeric", "tensor", "inverse frequencies and cos/sin of every layer type"),
+    _c("L1", "norm", "numeric", "tensor", "the family's RMSNorm"),
+    _c("L1", "sampler_penalties", "numeric", "tensor", "repetition, presence and frequency penalties"),
+    _c("L1", "sampler_temperature", "numeric", "tensor", "temperature (greedy rows untouched)"),
+    _c("L1", "sampler_min_p", "numeric", "agreement", "min-p kept set"),
+    _c("L1", "sampler_top_k_top_p", "numeric", "agreement", "top-k then top-p kept set (crossing token kept)"),
+    _c("L1", "sampler_greedy", "numeric", "agreement", "greedy ids"),
+    _c("L1", "sampler_random", "numeric", "agreement", "exponential-race draws after every transform"),
+    _c("L2", "decoder_layer_paged", "numeric", "tensor", "decoder layer 0 with its paged KV write"),
+    _c("L3", "prefill_t5", "numeric", "tensor", "prefill logits, 5-token prompt"),
+    _c("L3", "prefill_t17", "numeric", "tensor", "prefill logits, 17-token prompt"),
+    _c("L3", "prefill_t40", "numeric", "tensor", "prefill logits, 40-token prompt (past the sliding window)"),
+    _c("L4", "decode_logits", "numeric", "tensor", "teacher-forced decode logits, 8 steps"),
+    _c("L4", "cache_state", "numeric", "tensor", "K/V cache contents after prefill and 8 decode steps"),
+    _c("L5", "greedy_sequences", "behavioral", "agreement", "the live engine's greedy outputs on the workload"),
+    _c("L5", "sampled_sequences", "behavioral", "agreement", "seeded sampled outputs (numpy noise) on the workload"),
+    _c("L5", "engine_invariants", "behavioral", "agreement", "prefix-cache hits, every block back in the pool"),
+    _c("L6", "heldout_logprobs", "behavioral", "tensor", "held-out prompt log-probs"),
+    _c("L6", "next_token_dists", "behavioral", "distributional", "next-token distributions along the greedy runs"),
+)
+
+CHECKS_BY_CLASS = {"training": (TRAINING_SPEC, TRAINING_CHECKS), "serving": (SERVING_SPEC, SERVING_CHECKS)}
+
+
+def checks_for(task_class: str) -> tuple[tuple[CheckSpec, ...], tuple[CheckSpec, ...]]:
+    try:
+        return CHECKS_BY_CLASS[task_class]
+    except KeyError:
+        raise ValueError(f"unknown task class {task_class!r}; known: {sorted(CHECKS_BY_CLASS)}") from None

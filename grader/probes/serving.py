@@ -1,0 +1,256 @@
+"""Run the serving-class checks on a candidate (the twin of recorder/probes/serving.py).
+
+Runs inside the sandboxed child, reaching the candidate's serving_engine/, jax_oracles/ and conversion/
+only through their public names.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grader.probes.common import n, run_probes
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def sv(name):
+    return importlib.import_module(f"serving_engine.{name}")
+
+
+class Ctx:
+    def __init__(self, meta):
+        task = meta["task"]
+        self.ckpt = meta["assets"]["checkpoint"]
+        fam = task["family"]
+        modname = fam["model_module"][:-3].replace("/", ".")
+        self.family = importlib.import_module(f"jax_oracles.{modname}")
+        self.conversion = importlib.import_module(f"conversion.{modname.split('.')[-1]}")
+        self.engine_config = sv("config").EngineConfig(**task["mode"]["engine"])
+        self.workload = task["mode"]["workload"]
+        self._runner = None
+
+    @property
+    def runner(self):
+        if self._runner is None:
+            self._runner = self.fresh_runner()
+        return self._runner
+
+    @property
+    def config(self):
+        return self.runner.model_config
+
+    @property
+    def vocab(self):
+        return self.config.vocab_size
+
+    def fresh_runner(self):
+        return sv("model_runner").ModelRunner(self.ckpt, self.engine_config)
+
+
+def _unpad(rows):
+    return [[int(x) for x in row if x >= 0] for row in np.asarray(rows)]
+
+
+def _pad(rows, width, fill=-1):
+    out = np.full((len(rows), width), fill, np.int64)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
+
+
+# ---- L0 ----------------------------------------------------------------------------------------
+
+def _missing(entries, resolve):
+    missing = []
+    for entry in entries:
+        try:
+            if resolve(str(entry)) is None:
+                missing.append(str(entry))
+        except (ImportError, AttributeError) as e:
+            missing.append(f"{entry} ({type(e).__name__})")
+    if missing:
+        print("missing:", ", ".join(missing[:20]))
+    return np.array(len(missing))
+
+
+def _layout_entry(entry):
+    path, name = entry.split(":")
+    root = "jax_oracles" if path.startswith("models/") else "serving_engine"
+    rel = path[len("serving/"):] if path.startswith("serving/") else path
+    return getattr(importlib.import_module(f"{root}.{rel[:-3].replace('/', '.')}"), name, None)
+
+
+def probe_layout(ctx, inp):
+    return {"missing": _missing(inp["names"], _layout_entry)}
+
+
+def probe_engine_api(ctx, inp):
+    def resolve(entry):
+        cls, meth = entry.split(".")
+        mod = sv("engine") if cls == "LLMEngine" else sv("model_runner")
+        return getattr(getattr(mod, cls), meth, None)
+    return {"missing": _missing(inp["names"], resolve)}
+
+
+def probe_param_tree(ctx, inp):
+    numels = sorted(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(ctx.conversion.load_params(ctx.ckpt)))
+    return {"numel_sorted": np.array(numels, np.int64), "total": np.array(sum(numels), np.int64)}
+
+
+# ---- L1 ----------------------------------------------------------------------------------------
+
+def probe_paged_attention(ctx, inp):
+    window, cap = int(inp["sliding_window"]) or None, float(inp["soft_cap"]) or None
+    out = sv("paged_attention").ragged_paged_attention(
+        *(jnp.asarray(inp[k]) for k in ("q", "k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens",
+                                        "num_seqs")),
+        sm_scale=float(inp["sm_scale"]), sliding_window=window, soft_cap=cap)
+    return {"out": n(out)[: int(inp["cu_q_lens"][-1])]}
+
+
+def probe_rope(ctx, inp):
+    f, c = ctx.family, ctx.config
+    pos = jnp.asarray(inp["position_ids"])
+    if "layer_type" in inspect.signature(f.rope_inv_freq).parameters:
+        invs = {lt: f.rope_inv_freq(c, lt) for lt in sorted(set(c.layer_types))}
+    else:
+        invs = {"default": f.rope_inv_freq(c)}
+    out = {}
+    for lt, inv in invs.items():
+        cos, sin = f.rope_cos_sin(inv, pos)
+        out.update({f"{lt}.inv_freq": n(inv), f"{lt}.cos": n(cos), f"{lt}.sin": n(sin)})
+    return out
+
+
+def probe_norm(ctx, inp):
+    return {"y": n(ctx.family.rms_norm(jnp.asarray(inp["x"]), jnp.asarray(inp["weight"]), ctx.config.rms_norm_eps))}
+
+
+def _sampler_probe(which):
+    def probe(ctx, inp):
+        s = sv("sampler")
+        x = jnp.asarray(inp["logits"])
+        j = {k: jnp.asarray(v) for k, v in inp.items()}
+        if which == "penalties":
+            return {"logits": n(s.apply_penalties(x, j["prompt_ids_mask"], j["output_counts"],
+                                                  j["repetition_penalty"], j["presence_penalty"],
+                                                  j["frequency_penalty"]))}
+        if which == "temperature":
+            return {"logits": n(s.apply_temperature(x, j["temperature"]))}
+        if which == "min_p":
+            return {"kept": n(jnp.isfinite(s.apply_min_p(x, j["min_p"]))).astype(np.int64)}
+        if which == "top_k_top_p":
+            return {"kept": n(jnp.isfinite(s.apply_top_k_top_p(x, j["top_k"], j["top_p"]))).astype(np.int64)}
+        if which == "greedy":
+            return {"ids": n(s.greedy_sample(x)).astype(np.int64)}
+        y = s.apply_top_k_top_p(s.apply_min_p(s.apply_temperature(x, j["temperature"]), j["min_p"]),
+                                j["top_k"], j["top_p"])
+        return {"ids": n(s.random_sample(jax.nn.softmax(y, -1), j["noise"])).astype(np.int64)}
+    return probe
+
+
+# ---- L2-L4 -------------------------------------------------------------------------------------
+
+def probe_decoder_layer_paged(ctx, inp):
+    pa, runner = sv("paged_attention"), ctx.fresh_runner()
+    T = len(inp["positions"])
+    table = jnp.asarray(inp["page_indices"])
+    meta = pa.AttentionMetadata(slot_mapping=jnp.asarray(inp["slot_mapping"]), kv_lens=jnp.asarray(inp["kv_lens"]),
+                                page_indices=table, cu_q_lens=jnp.asarray(inp["cu_q_lens"]),
+                                num_seqs=jnp.asarray(inp["num_seqs"]))
+    fn = runner.family.decoder_layer_paged
+    args = [runner.model, 0, jnp.asarray(inp["hidden"])]
+    if "per_layer_input" in inspect.signature(fn).parameters:
+        args.append(jnp.asarray(inp["per_layer_input"]))
+    out, cache = fn(*args, jnp.asarray(inp["positions"]), runner.kv_cache, meta)
+    k = cache.k[0][table[0]].reshape(-1, *cache.k[0].shape[2:])[:T]
+    v = cache.v[0][table[0]].reshape(-1, *cache.v[0].shape[2:])[:T]
+    return {"hidden": n(out), "k_written": n(k), "v_written": n(v)}
+
+
+def probe_prefill(ctx, inp):
+    return {"logits": n(ctx.fresh_runner().prefill_logits([int(x) for x in inp["token_ids"]]))}
+
+
+def probe_decode_logits(ctx, inp):
+    logits, _ = ctx.fresh_runner().teacher_forced_decode(inp["prompt"].tolist(), inp["continuation"].tolist())
+    return {"logits": n(logits)}
+
+
+def probe_cache_state(ctx, inp):
+    _, snap = ctx.fresh_runner().teacher_forced_decode(inp["prompt"].tolist(), inp["continuation"].tolist())
+    return {k.replace(".", "_"): np.asarray(v) for k, v in sorted(snap.items())}
+
+
+# ---- L5 / L6 -----------------------------------------------------------------------------------
+
+SAMPLED = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.1)
+
+
+def _generate(ctx, inp, sampled):
+    SP, w = sv("config").SamplingParams, ctx.workload
+    prompts = _unpad(inp["prompts"])
+    params = [SP(temperature=0.0, max_tokens=w["max_tokens"], ignore_eos=True) if not sampled else
+              SP(max_tokens=w["max_tokens"], ignore_eos=True, seed=100 + i, **SAMPLED) for i in range(len(prompts))]
+    engine = sv("engine").LLMEngine(ctx.ckpt, ctx.engine_config)
+    outs = engine.generate(prompts, params)
+    return outs, engine.stats()
+
+
+def probe_greedy_sequences(ctx, inp):
+    outs, _ = _generate(ctx, inp, sampled=False)
+    return {"output_ids": _pad([o.output_token_ids for o in outs], ctx.workload["max_tokens"])}
+
+
+def probe_sampled_sequences(ctx, inp):
+    outs, _ = _generate(ctx, inp, sampled=True)
+    return {"output_ids": _pad([o.output_token_ids for o in outs], ctx.workload["max_tokens"])}
+
+
+def probe_engine_invariants(ctx, inp):
+    _, stats = _generate(ctx, inp, sampled=False)
+    return {"prefix_hit_blocks": np.array(stats["num_prefix_hit_blocks"], np.int64),
+            "free_blocks_after": np.array(stats["num_free_blocks"], np.int64),
+            "num_blocks": np.array(stats["num_blocks"], np.int64)}
+
+
+def probe_heldout_logprobs(ctx, inp):
+    runner, out = ctx.fresh_runner(), {}
+    for key in sorted(inp):
+        p = [int(x) for x in inp[key]]
+        lp = jax.nn.log_softmax(jnp.asarray(runner.prefill_logits(p)), -1)[:-1]
+        out[key] = n(jnp.take_along_axis(lp, jnp.asarray(p[1:])[:, None], -1)[:, 0])
+    return out
+
+
+def probe_next_token_dists(ctx, inp):
+    out = {}
+    for i in range(len([k for k in inp if k.startswith("prompt_")])):
+        p, c = inp[f"prompt_{i}"].tolist(), inp[f"continuation_{i}"].tolist()
+        logits, _ = ctx.fresh_runner().teacher_forced_decode(p, c)
+        first = np.asarray(ctx.fresh_runner().prefill_logits(p))[-1:]
+        out[f"logits_{i}"] = np.concatenate([first, np.asarray(logits)])
+    return out
+
+
+PROBES = {
+    "layout": probe_layout, "engine_api": probe_engine_api, "param_tree": probe_param_tree,
+    "paged_attention": probe_paged_attention, "paged_attention_window_softcap": probe_paged_attention,
+    "rope": probe_rope, "norm": probe_norm,
+    **{f"sampler_{w}": _sampler_probe(w) for w in ("penalties", "temperature", "min_p", "top_k_top_p",
+                                                   "greedy", "random")},
+    "decoder_layer_paged": probe_decoder_layer_paged,
+    "prefill_t5": probe_prefill, "prefill_t17": probe_prefill, "prefill_t40": probe_prefill,
+    "decode_logits": probe_decode_logits, "cache_state": probe_cache_state,
+    "greedy_sequences": probe_greedy_sequences, "sampled_sequences": probe_sampled_sequences,
+    "engine_invariants": probe_engine_invariants,
+    "heldout_logprobs": probe_heldout_logprobs, "next_token_dists": probe_next_token_dists,
+}
+
+
+def main(inputs_path, outputs_path):
+    run_probes(inputs_path, outputs_path, Ctx, PROBES)

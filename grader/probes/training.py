@@ -1,0 +1,193 @@
+"""Run the training-class checks on a candidate (the twin of recorder/probes/training.py).
+
+Runs inside the sandboxed child: gets an inputs-only file, imports the candidate's mirrored
+modules (jax_oracles.*, conversion.*), writes one output group per check. A probe that raises is
+that check's failure, never the run's.
+"""
+from __future__ import annotations
+
+import importlib
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grader.h5schema import read_arrays, write_arrays
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+class Ctx:
+    def __init__(self, meta):
+        self.meta = meta
+        task = meta["task"]
+        fam = task["family"]
+        self.assets = meta["assets"]
+        self.train = task["method"]["train"]
+        self.prefix = fam["model_prefix"]
+        modname = fam["model_module"][:-3].replace("/", ".")
+        self.family = importlib.import_module(f"jax_oracles.{modname}")
+        self.conversion = importlib.import_module(f"conversion.{modname.split('.')[-1]}")
+        self._params = None
+
+    @property
+    def params(self):
+        if self._params is None:
+            self._params = self.conversion.load_params(self.assets["checkpoint"])
+        return self._params
+
+    @property
+    def config(self):
+        return self.cls("Config").from_pretrained(self.assets["checkpoint"])
+
+    def cls(self, suffix):
+        return getattr(self.family, f"{self.prefix}{suffix}")
+
+    @property
+    def sft(self):
+        return importlib.import_module("jax_oracles.training.sft")
+
+    @property
+    def args(self):
+        return self.sft.TrainArgs(**self.train)
+
+
+def n(x):
+    return np.asarray(jax.device_get(x))
+
+
+# ---- L0 spec -----------------------------------------------------------------------------------
+
+def probe_layout(ctx, inp):
+    missing = []
+    for entry in inp["names"]:
+        path, name = str(entry).split(":")
+        mod = "jax_oracles." + path[:-3].replace("/", ".")
+        try:
+            if not hasattr(importlib.import_module(mod), name):
+                missing.append(f"{mod}.{name}")
+        except ImportError as e:
+            missing.append(f"{mod} ({e})")
+    if missing:
+        print("layout: missing", ", ".join(missing[:20]))
+    return {"missing": np.array(len(missing))}
+
+
+def probe_param_tree(ctx, inp):
+    leaves = jax.tree_util.tree_leaves(ctx.params)
+    numels = sorted(int(np.prod(x.shape)) for x in leaves)
+    return {"numel_sorted": np.array(numels, np.int64), "total": np.array(sum(numels), np.int64)}
+
+
+def probe_lora_trainable(ctx, inp):
+    lora = importlib.import_module("jax_oracles.training.lora")
+    tree = lora.init_lora_tree(ctx.params, ctx.sft.lora_config(ctx.args), seed=0)
+    sd = lora.lora_state_dict(tree)
+    names = sorted(sd)
+    return {"names": np.array(names), "shapes": np.array([np.shape(sd[k]) for k in names], np.int64)}
+
+
+# ---- L1 operators ------------------------------------------------------------------------------
+
+def probe_rms_norm(ctx, inp):
+    return {"y": n(ctx.family.rms_norm(inp["x"], inp["weight"], ctx.config.rms_norm_eps))}
+
+
+def probe_rope(ctx, inp):
+    inv = ctx.family.rope_inv_freq(ctx.config)
+    cos, sin = ctx.family.rope_cos_sin(inv, jnp.asarray(inp["position_ids"]))
+    return {"inv_freq": n(inv), "cos": n(cos), "sin": n(sin),
+            "x_rot": n(ctx.family.apply_rope(jnp.asarray(inp["x"]), cos, sin))}
+
+
+def probe_mlp(ctx, inp):
+    mlp = ctx.cls("MLP")(ctx.config)
+    return {"y": n(mlp.apply({"params": ctx.params["model"]["layers_0"]["mlp"]}, jnp.asarray(inp["x"])))}
+
+
+def probe_attention_core(ctx, inp):
+    c = ctx.config
+    mask = ctx.family.causal_mask(jnp.asarray(inp["attention_mask"]))
+    out = ctx.family.eager_attention(jnp.asarray(inp["q"]), jnp.asarray(inp["k"]), jnp.asarray(inp["v"]), mask,
+                                     c.head_dim ** -0.5)
+    return {"out": n(out)}
+
+
+def probe_lora_linear(ctx, inp):
+    lora = importlib.import_module("jax_oracles.training.lora")
+    y = lora.lora_linear(jnp.asarray(inp["x"]), jnp.asarray(inp["weight"]), None, jnp.asarray(inp["lora_A"]),
+                         jnp.asarray(inp["lora_B"]), float(inp["scaling"]))
+    return {"y": n(y)}
+
+
+def _processed(ctx):
+    return ctx.sft.load_processed_dataset(ctx.assets["tokenizer"], ctx.assets["data"], "train", ctx.args)
+
+
+def _pad_rows(rows, width, fill=-1):
+    out = np.full((len(rows), width), fill, np.int64)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = list(row)[:width]
+    return out
+
+
+def probe_data_tokens(ctx, inp):
+    rows = [ex["input_ids"] for ex in _processed(ctx)]
+    return {"input_ids": _pad_rows(rows, ctx.args.cutoff_len + 1), "n": np.array(len(rows))}
+
+
+def probe_data_labels(ctx, inp):
+    rows = [ex["labels"] for ex in _processed(ctx)]
+    return {"labels": _pad_rows(rows, ctx.args.cutoff_len + 1, fill=-7)}
+
+
+def probe_collate(ctx, inp):
+    batch = ctx.sft.make_collator(ctx.args)(_processed(ctx)[:4])
+    return {k: np.asarray(batch[k]).astype(np.int64) for k in ("input_ids", "attention_mask", "labels")}
+
+
+# ---- L2 / L3 -----------------------------------------------------------------------------------
+
+def probe_decoder_layer(ctx, inp):
+    c, f = ctx.config, ctx.family
+    cos, sin = f.rope_cos_sin(f.rope_inv_freq(c), jnp.asarray(inp["position_ids"]))
+    mask = f.causal_mask(jnp.asarray(inp["attention_mask"]))
+    layer = ctx.cls("DecoderLayer")(c)
+    out = layer.apply({"params": ctx.params["model"]["layers_0"]}, jnp.asarray(inp["hidden"]), mask, cos, sin)
+    return {"out": n(out)}
+
+
+def probe_logits(ctx, inp):
+    model = ctx.cls("ForCausalLM")(ctx.config)
+    logits = jax.jit(model.apply)({"params": ctx.params}, jnp.asarray(inp["input_ids"]),
+                                  jnp.asarray(inp["attention_mask"]))
+    return {"logits": n(logits)}
+
+
+PROBES = {
+    "layout": probe_layout, "param_tree": probe_param_tree, "lora_trainable": probe_lora_trainable,
+    "rms_norm": probe_rms_norm, "rope": probe_rope, "mlp": probe_mlp, "attention_core": probe_attention_core,
+    "lora_linear": probe_lora_linear, "data_tokens": probe_data_tokens, "data_labels": probe_data_labels,
+    "collate": probe_collate, "decoder_layer": probe_decoder_layer,
+    "logits_b1_t7": probe_logits, "logits_b2_t16_pad": probe_logits, "logits_b3_t33_pad": probe_logits,
+    "next_token_dist": probe_logits,
+}
+
+
+def main(inputs_path, outputs_path):
+    groups, attrs = read_arrays(inputs_path)
+    meta = attrs["meta"]
+    ctx = Ctx(meta)
+    outputs, errors, seconds = {}, {}, {}
+    for key in meta["checks"]:
+        name = key.split("/", 1)[1]
+        started = time.perf_counter()
+        try:
+            outputs[key] = PROBES[name](ctx, groups.get(key, {}))
+        except Exception as e:  # the candidate's crash is this check's score, with its reason
+            errors[key] = f"crash: {type(e).__name__}: {e}"
+            traceback.print_exc()
+        seconds[key] = time.perf_counter() - started
+    write_arrays(outputs_path, outputs, attrs={"errors": errors, "seconds": seconds})

@@ -1,0 +1,382 @@
+"""Gemma 4 text model (dense) in Flax Linen: the torch-free twin of torch_sources/models/gemma4.py.
+
+Same public names in the same order; the semantics are listed in the torch file's docstring
+(sliding/full layers with per-type head_dim and rope, q/k/v norms, scale 1.0, plain-weight
+RMSNorm, PLE, `layer_scalar`, KV sharing over the last layers, double-wide MLP there,
+scaled embeddings, tied and soft-capped logits).
+
+Params are named after the HF checkpoint (conversion/gemma4.py):
+`params["model"]["layers_0"]["self_attn"]["q_proj"]["kernel"]` = HF weight transposed,
+norms hold `weight`, embeddings `embedding`, each layer a `layer_scalar` f32[1].
+
+Serving hooks, callable with `model.apply(variables, ..., method=...)`:
+`Gemma4ForCausalLM.final_logits`; `Gemma4TextModel.embed`, `.per_layer_inputs`, `.rope`;
+per layer (`model.model.layers[i]`) `input_layernorm`, `self_attn.project_qkv`,
+`self_attn.project_output`, `after_attention`. KV-shared layers return k = v = None from
+`project_qkv` and attend over the K/V of layer `config.kv_source_layer(i)`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "Gemma4TextConfig",
+    "rms_norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention",
+    "Gemma4MLP", "Gemma4Attention", "Gemma4DecoderLayer", "Gemma4TextModel", "Gemma4ForCausalLM",
+]
+
+
+@dataclass(frozen=True)
+class Gemma4TextConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    hidden_activation: str
+    max_position_embeddings: int
+    rms_norm_eps: float
+    pad_token_id: int | None
+    eos_token_id: int | list[int] | None
+    bos_token_id: int | None
+    tie_word_embeddings: bool
+    rope_parameters: dict       # {layer_type: {"rope_type", "rope_theta", ["partial_rotary_factor"]}}
+    attention_bias: bool
+    sliding_window: int
+    layer_types: tuple[str, ...]
+    final_logit_softcapping: float | None
+    vocab_size_per_layer_input: int
+    hidden_size_per_layer_input: int
+    num_kv_shared_layers: int
+    use_double_wide_mlp: bool
+    per_layer_config: dict      # {"<layer idx>": {"head_dim": .., ["num_key_value_heads": ..]}}
+    attention_k_eq_v: bool = False
+    enable_moe_block: bool = False
+    use_bidirectional_attention: str | None = None
+
+    def __post_init__(self):
+        # This file is the dense, causal, separate-V variant; the MoE / K=V (26B-A4B) one is a fork.
+        assert not self.enable_moe_block and not self.attention_k_eq_v, "MoE / attention_k_eq_v: not this model"
+        assert self.use_bidirectional_attention is None and self.hidden_activation == "gelu_pytorch_tanh"
+        assert self.layer_types[-1] == "full_attention", "transformers forces the last layer to full attention"
+
+    def __hash__(self):  # dict fields: hash the json form, so the config can be a static jit argument
+        return hash(json.dumps(asdict(self), sort_keys=True))
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "Gemma4TextConfig":
+        d = d.get("text_config", d)  # a multimodal Gemma4Config nests the text model
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        kw["layer_types"] = tuple(kw["layer_types"])
+        kw["per_layer_config"] = {str(k): dict(v) for k, v in kw.get("per_layer_config", {}).items()}
+        return cls(**kw)
+
+    @classmethod
+    def from_pretrained(cls, path) -> "Gemma4TextConfig":
+        return cls.from_hf(json.loads((Path(path) / "config.json").read_text()))
+
+    # ---- derived per-layer values --------------------------------------------------------
+    def layer_head_dim(self, i: int) -> int:
+        return self.per_layer_config.get(str(i), {}).get("head_dim", self.head_dim)
+
+    def layer_num_kv_heads(self, i: int) -> int:
+        return self.per_layer_config.get(str(i), {}).get("num_key_value_heads", self.num_key_value_heads)
+
+    def type_head_dim(self, layer_type: str) -> int:
+        return self.layer_head_dim(self.layer_types.index(layer_type))
+
+    @property
+    def first_kv_shared_layer_idx(self) -> int:
+        return self.num_hidden_layers - self.num_kv_shared_layers
+
+    def is_kv_shared(self, i: int) -> bool:
+        return i >= self.first_kv_shared_layer_idx
+
+    def kv_source_layer(self, i: int) -> int:
+        """Layer whose K/V layer i attends over: itself, or for a KV-shared layer the last
+        non-shared layer of the same type (transformers' "store" layer)."""
+        if not self.is_kv_shared(i):
+            return i
+        first = self.first_kv_shared_layer_idx
+        return max(j for j in range(first) if self.layer_types[j] == self.layer_types[i])
+
+    def layer_intermediate_size(self, i: int) -> int:
+        return self.intermediate_size * (2 if self.use_double_wide_mlp and self.is_kv_shared(i) else 1)
+
+
+# ---- operators -------------------------------------------------------------------------------
+
+def rms_norm(x, weight, eps: float):
+    """Gemma 4 RMSNorm over the last axis: x * (mean(x^2) + eps)^-0.5 * weight, in fp32.
+    The weight is plain (identity 1), not Gemma 3's 1 + w; weight=None is v_norm's unscaled form."""
+    x32 = x.astype(jnp.float32)
+    out = x32 * jnp.power(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps, -0.5)  # pow, as transformers
+    return (out if weight is None else out * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(config: Gemma4TextConfig, layer_type: str):
+    """f32[hd/2] for the layer type's head dim. "proportional": the first
+    int(partial_rotary_factor * hd / 2) pairs get theta^(-2i/hd), the rest frequency 0.
+    A config constant, computed in numpy float32 in transformers' op order."""
+    f32 = np.float32
+    p = config.rope_parameters[layer_type]
+    hd, theta = config.type_head_dim(layer_type), f32(p["rope_theta"])
+    if p["rope_type"] == "default":
+        return jnp.asarray(f32(1.0) / theta ** (np.arange(0, hd, 2).astype(f32) / f32(hd)))
+    assert p["rope_type"] == "proportional", p
+    rotated = int(p.get("partial_rotary_factor", 1.0) * hd // 2)
+    inv = f32(1.0) / theta ** (np.arange(0, 2 * rotated, 2).astype(f32) / f32(hd))
+    inv = np.concatenate([inv, np.zeros(hd // 2 - rotated, f32)])
+    return jnp.asarray(inv / f32(p.get("factor", 1.0)))
+
+
+def rope_cos_sin(inv_freq, position_ids):
+    """inv_freq f32[hd/2], position_ids i32[B,T] -> (cos, sin) f32[B,T,hd] (rotate-half layout)."""
+    freqs = position_ids[..., None].astype(jnp.float32) * inv_freq.astype(jnp.float32)  # f32[B,T,hd/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x, cos, sin):
+    """x f32[B,T,N,hd]; cos/sin f32[B,T,hd]."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos[:, :, None] + rotated * sin[:, :, None]
+
+
+def causal_mask(attention_mask, sliding_window: int | None = None):
+    """attention_mask i32[B,T] (1 = real token) -> bool[B,T,T]: key s visible from query t iff
+    s <= t, the key is real, and (sliding) t - s < sliding_window."""
+    T = attention_mask.shape[1]
+    t = jnp.arange(T)[:, None]
+    s = jnp.arange(T)[None, :]
+    allowed = s <= t
+    if sliding_window is not None:
+        allowed = allowed & (t - s < sliding_window)
+    return allowed[None] & attention_mask.astype(jnp.bool_)[:, None, :]
+
+
+def eager_attention(q, k, v, mask, scale: float, softcap: float | None = None):
+    """q f32[B,T,N,hd], k/v f32[B,S,K,hd], mask bool[B,T,S] -> f32[B,T,N,hd].
+    GQA: query head n reads KV head n // (N/K) (transformers' repeat_kv)."""
+    B, T, N, hd = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, T, K, N // K, hd)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k) * scale
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    # finfo.min rather than -inf: a fully masked (padding) row stays finite, as in transformers.
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(scores.dtype).min)
+    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    return out.reshape(B, T, N, hd)
+
+
+# ---- modules ---------------------------------------------------------------------------------
+
+class _Norm(nn.Module):
+    """Holds a `weight` param named like the checkpoint; math is `rms_norm`."""
+    eps: float
+
+    @nn.compact
+    def __call__(self, x):
+        weight = self.param("weight", nn.initializers.ones_init(), (x.shape[-1],), jnp.float32)
+        return rms_norm(x, weight, self.eps)
+
+
+def _gelu_tanh(x):  # transformers "gelu_pytorch_tanh"
+    return jax.nn.gelu(x, approximate=True)
+
+
+class Gemma4MLP(nn.Module):
+    config: Gemma4TextConfig
+    layer_idx: int
+
+    @nn.compact
+    def __call__(self, x):  # f32[B,T,D]
+        c = self.config
+        inter = c.layer_intermediate_size(self.layer_idx)
+        gate = nn.Dense(inter, use_bias=False, name="gate_proj")(x)
+        up = nn.Dense(inter, use_bias=False, name="up_proj")(x)
+        return nn.Dense(c.hidden_size, use_bias=False, name="down_proj")(_gelu_tanh(gate) * up)
+
+
+class Gemma4Attention(nn.Module):
+    """Per-layer attention. KV-shared layers (`is_kv_shared`) own only q_proj, q_norm and
+    o_proj; they attend over the K/V of layer `kv_source` (config.kv_source_layer)."""
+    config: Gemma4TextConfig
+    layer_idx: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.layer_head_dim(self.layer_idx)
+
+    @property
+    def is_kv_shared(self) -> bool:
+        return self.config.is_kv_shared(self.layer_idx)
+
+    @property
+    def kv_source(self) -> int:
+        return self.config.kv_source_layer(self.layer_idx)
+
+    @property
+    def sliding_window(self) -> int | None:
+        c = self.config
+        return c.sliding_window if c.layer_types[self.layer_idx] == "sliding_attention" else None
+
+    scaling = 1.0  # q/k norms replace the 1/sqrt(hd) scale
+
+    def setup(self):
+        c, hd = self.config, self.head_dim
+        dense = lambda n: nn.Dense(n, use_bias=c.attention_bias)  # noqa: E731
+        self.q_proj = dense(c.num_attention_heads * hd)
+        self.q_norm = _Norm(c.rms_norm_eps)
+        if not self.is_kv_shared:
+            self.k_proj = dense(c.layer_num_kv_heads(self.layer_idx) * hd)
+            self.v_proj = dense(c.layer_num_kv_heads(self.layer_idx) * hd)
+            self.k_norm = _Norm(c.rms_norm_eps)
+        self.o_proj = dense(c.hidden_size)
+
+    def project_qkv(self, hidden, cos, sin):
+        """hidden f32[B,T,D] (already input_layernorm'ed), cos/sin f32[B,T,hd] of this layer
+        type -> q f32[B,T,N,hd], k/v f32[B,T,K,hd] (normed; q/k roped); k = v = None on a
+        KV-shared layer, which must be given the K/V of layer `kv_source`."""
+        c, hd = self.config, self.head_dim
+        B, T, _ = hidden.shape
+        q = self.q_proj(hidden).reshape(B, T, c.num_attention_heads, hd)
+        q = apply_rope(self.q_norm(q), cos, sin)
+        if self.is_kv_shared:
+            return q, None, None
+        K = c.layer_num_kv_heads(self.layer_idx)
+        k = self.k_proj(hidden).reshape(B, T, K, hd)
+        v = self.v_proj(hidden).reshape(B, T, K, hd)
+        k = apply_rope(self.k_norm(k), cos, sin)
+        v = rms_norm(v, None, c.rms_norm_eps)
+        return q, k, v
+
+    def project_output(self, attn):  # f32[B,T,N,hd] -> f32[B,T,D]
+        return self.o_proj(attn.reshape(*attn.shape[:-2], -1))
+
+    def __call__(self, hidden, mask, cos, sin, shared_kv=None):
+        """-> (f32[B,T,D], (k, v) used). shared_kv: the (k, v) of layer `kv_source` (KV-shared layers)."""
+        q, k, v = self.project_qkv(hidden, cos, sin)
+        if self.is_kv_shared:
+            k, v = shared_kv
+        return self.project_output(eager_attention(q, k, v, mask, self.scaling)), (k, v)
+
+
+class Gemma4DecoderLayer(nn.Module):
+    config: Gemma4TextConfig
+    layer_idx: int
+
+    def setup(self):
+        c = self.config
+        eps = c.rms_norm_eps
+        self.self_attn = Gemma4Attention(c, self.layer_idx)
+        self.mlp = Gemma4MLP(c, self.layer_idx)
+        self.input_layernorm = _Norm(eps)
+        self.post_attention_layernorm = _Norm(eps)
+        self.pre_feedforward_layernorm = _Norm(eps)
+        self.post_feedforward_layernorm = _Norm(eps)
+        self.layer_scalar = self.param("layer_scalar", nn.initializers.ones_init(), (1,), jnp.float32)
+        self.per_layer_input_gate = nn.Dense(c.hidden_size_per_layer_input, use_bias=False)
+        self.per_layer_projection = nn.Dense(c.hidden_size, use_bias=False)
+        self.post_per_layer_input_norm = _Norm(eps)
+
+    def after_attention(self, residual, attn_out, per_layer_input):
+        """residual f32[B,T,D] (layer input), attn_out f32[B,T,D] (after o_proj),
+        per_layer_input f32[B,T,P] -> layer output f32[B,T,D]."""
+        h = residual + self.post_attention_layernorm(attn_out)
+        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        gate = _gelu_tanh(self.per_layer_input_gate(h)) * per_layer_input
+        h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))
+        return h * self.layer_scalar  # scales the residual stream too, not only the branch
+
+    def __call__(self, hidden, per_layer_input, mask, cos, sin, shared_kv=None):
+        """hidden f32[B,T,D], per_layer_input f32[B,T,P], mask bool[B,T,T] -> (f32[B,T,D], (k, v))."""
+        attn_out, kv = self.self_attn(self.input_layernorm(hidden), mask, cos, sin, shared_kv)
+        return self.after_attention(hidden, attn_out, per_layer_input), kv
+
+
+class Gemma4TextModel(nn.Module):
+    config: Gemma4TextConfig
+
+    def setup(self):
+        c = self.config
+        L, P = c.num_hidden_layers, c.hidden_size_per_layer_input
+        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size)
+        self.embed_tokens_per_layer = nn.Embed(c.vocab_size_per_layer_input, L * P)
+        self.per_layer_model_projection = nn.Dense(L * P, use_bias=False)
+        self.per_layer_projection_norm = _Norm(c.rms_norm_eps)
+        self.layers = [Gemma4DecoderLayer(c, i) for i in range(L)]
+        self.norm = _Norm(c.rms_norm_eps)
+
+    def embed(self, input_ids):  # i32[B,T] -> f32[B,T,D], scaled by sqrt(hidden_size)
+        return self.embed_tokens(input_ids) * jnp.float32(self.config.hidden_size ** 0.5)
+
+    def per_layer_inputs(self, input_ids, inputs_embeds):
+        """PLE: i32[B,T], f32[B,T,D] (scaled embeddings) -> f32[B,T,L,P]
+        = (norm(proj(embeds) / sqrt(D)) + embed_per_layer(ids) * sqrt(P)) / sqrt(2)."""
+        c = self.config
+        L, P = c.num_hidden_layers, c.hidden_size_per_layer_input
+        token = self.embed_tokens_per_layer(input_ids) * jnp.float32(P ** 0.5)
+        token = token.reshape(*input_ids.shape, L, P)
+        proj = self.per_layer_model_projection(inputs_embeds) * jnp.float32(c.hidden_size ** -0.5)
+        proj = self.per_layer_projection_norm(proj.reshape(*inputs_embeds.shape[:-1], L, P))
+        return (proj + token) * jnp.float32(2.0 ** -0.5)
+
+    def rope(self, position_ids) -> dict:
+        """i32[B,T] -> {layer_type: (cos, sin) f32[B,T,hd of that type]}."""
+        return {t: rope_cos_sin(rope_inv_freq(self.config, t), position_ids) for t in set(self.config.layer_types)}
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None):
+        """i32[B,T] -> final-normed hidden f32[B,T,D] (right padding; positions default 0..T-1)."""
+        c = self.config
+        B, T = input_ids.shape
+        if attention_mask is None:
+            attention_mask = jnp.ones((B, T), jnp.int32)
+        if position_ids is None:
+            position_ids = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+        masks = {"full_attention": causal_mask(attention_mask),
+                 "sliding_attention": causal_mask(attention_mask, c.sliding_window)}
+        rope = self.rope(position_ids)
+        h = self.embed(input_ids)
+        ple = self.per_layer_inputs(input_ids, h)  # f32[B,T,L,P]
+        kv_of_layer = {}
+        for i, layer in enumerate(self.layers):
+            t = c.layer_types[i]
+            h, kv_of_layer[i] = layer(h, ple[:, :, i], masks[t], *rope[t],
+                                      shared_kv=kv_of_layer.get(c.kv_source_layer(i)))
+        return self.norm(h)
+
+
+class Gemma4ForCausalLM(nn.Module):
+    """logits = model.apply({"params": params}, input_ids, attention_mask)."""
+    config: Gemma4TextConfig
+
+    def setup(self):
+        self.model = Gemma4TextModel(self.config)
+        if not self.config.tie_word_embeddings:
+            self.lm_head = nn.Dense(self.config.vocab_size, use_bias=False)
+
+    def final_logits(self, hidden):
+        """hidden f32[...,D] *after* the final norm (Gemma4TextModel's output) -> f32[...,V],
+        soft-capped: c * tanh(logits / c)."""
+        c = self.config
+        logits = self.model.embed_tokens.attend(hidden) if c.tie_word_embeddings else self.lm_head(hidden)
+        cap = c.final_logit_softcapping
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None):
+        """input_ids i32[B,T], attention_mask i32[B,T] | None -> logits f32[B,T,V]."""
+        return self.final_logits(self.model(input_ids, attention_mask, position_ids))

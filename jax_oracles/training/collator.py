@@ -1,0 +1,40 @@
+"""SFT collator, numpy twin of torch_sources/training/collator.py (int32 arrays instead of tensors).
+
+HF DataCollatorForSeq2Seq with right padding to the longest row rounded up to a multiple of 8;
+`pad_to_length` pads every batch to one fixed length instead, so a jitted step sees one shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["SFTDataCollator", "pad_features"]
+
+
+def pad_features(features: list[dict], length: int, pad_token_id: int, label_pad_token_id: int) -> dict[str, np.ndarray]:
+    """Right-pad each feature's input_ids / attention_mask / labels to `length` -> int32 [B, length]."""
+    fill = {"input_ids": pad_token_id, "attention_mask": 0, "labels": label_pad_token_id}
+    out = {}
+    for key, value in fill.items():
+        rows = np.full((len(features), length), value, dtype=np.int32)
+        for i, f in enumerate(features):
+            rows[i, :len(f[key])] = f[key]
+        out[key] = rows
+    return out
+
+
+@dataclass(frozen=True)
+class SFTDataCollator:
+    pad_token_id: int
+    label_pad_token_id: int = -100
+    pad_to_multiple_of: int | None = 8
+    pad_to_length: int | None = None  # a fixed length instead (static shapes under jit)
+
+    def __call__(self, features: list[dict]) -> dict[str, np.ndarray]:
+        """[dict(input_ids, attention_mask, labels)] -> dict of int32 arrays [B, T]."""
+        length = self.pad_to_length or max(len(f["input_ids"]) for f in features)
+        if self.pad_to_length is None and self.pad_to_multiple_of:
+            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        return pad_features(features, length, self.pad_token_id, self.label_pad_token_id)

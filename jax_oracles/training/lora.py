@@ -1,0 +1,127 @@
+"""LoRA for the Flax models, twin of torch_sources/training/lora.py.
+
+Adapters live in their own variable collection "lora", at the same module paths as the base
+params, with leaves `lora_A` f32[in,r] and `lora_B` f32[r,out] (PEFT's A/B, transposed).
+`model.apply({"params": base, "lora": adapters}, ...)`; without a "lora" collection, or for a
+module the collection does not name, a LoraLinear is a plain linear layer. The init is drawn
+by the same numpy code as the torch side (one default_rng(seed), canonical order), so both
+frameworks start from identical bits; `lora_state_dict` / `lora_tree_from_state_dict` convert
+to and from PEFT names in torch layout.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+__all__ = ["PEFT_PREFIX", "TARGET_ORDER", "LoraConfig", "lora_linear", "lora_target_specs", "init_lora_weights",
+           "LoraLinear", "init_lora_tree", "lora_tree_from_state_dict", "lora_state_dict"]
+
+PEFT_PREFIX = "base_model.model."
+# Canonical order within a decoder layer (HF registration order): attention, then MLP.
+TARGET_ORDER = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+                ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    r: int = 8
+    lora_alpha: int = 16  # LF: lora_alpha None -> 2 * lora_rank
+    lora_dropout: float = 0.0
+    target_modules: tuple[str, ...] = tuple(name for _, name in TARGET_ORDER)
+
+    @property
+    def scaling(self) -> float:
+        return self.lora_alpha / self.r  # use_rslora=False
+
+
+def lora_linear(x, weight, bias, lora_A, lora_B, scaling: float):
+    """x [..., in], weight [out, in], bias [out] | None, lora_A [r, in], lora_B [out, r] -> [..., out]."""
+    y = x @ weight.T
+    if bias is not None:
+        y = y + bias
+    return y + ((x @ lora_A.T) @ lora_B.T) * scaling
+
+
+def _layer_index(name: str) -> int:
+    return int(name.split("_")[-1])
+
+
+def lora_target_specs(params: dict, config: LoraConfig) -> list[tuple[str, int, int]]:
+    """(PEFT module name, in, out) of every adapted projection, in canonical order."""
+    layers = sorted((k for k in params["model"] if k.startswith("layers_")), key=_layer_index)
+    specs = []
+    for layer in layers:
+        for group, proj in TARGET_ORDER:
+            if proj in config.target_modules:
+                fan_in, fan_out = params["model"][layer][group][proj]["kernel"].shape
+                specs.append((f"{PEFT_PREFIX}model.layers.{_layer_index(layer)}.{group}.{proj}", fan_in, fan_out))
+    return specs
+
+
+def init_lora_weights(specs: list[tuple[str, int, int]], seed: int, r: int = 8) -> dict[str, np.ndarray]:
+    """{peft name: f32 array} for specs, from one np.random.default_rng(seed) drawn in spec order."""
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, fan_in, fan_out in specs:
+        bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform_(a=sqrt(5)) on an [r, in] weight
+        weights[f"{name}.lora_A.weight"] = rng.uniform(-bound, bound, size=(r, fan_in)).astype(np.float32)
+        weights[f"{name}.lora_B.weight"] = np.zeros((fan_out, r), dtype=np.float32)
+    return weights
+
+
+class LoraLinear(nn.Module):
+    """y = x @ kernel (+ bias) + scaling * (x @ lora_A) @ lora_B.  kernel: f32[in,out] = HF weight.T"""
+    features: int
+    use_bias: bool = False
+    scaling: float = 2.0  # lora_alpha / r = 16 / 8
+
+    @nn.compact
+    def __call__(self, x):  # f32[..., in] -> f32[..., out]
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), jnp.float32)
+        y = x @ kernel
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32)
+        if self.has_variable("lora", "lora_A"):
+            lora_a = self.get_variable("lora", "lora_A")  # f32[in,r]
+            lora_b = self.get_variable("lora", "lora_B")  # f32[r,out]
+            y = y + self.scaling * ((x @ lora_a) @ lora_b)
+        return y
+
+
+def init_lora_tree(params: dict, config: LoraConfig, seed: int) -> dict:
+    """The "lora" collection for params, from the same numpy draws as torch's inject_lora."""
+    return lora_tree_from_state_dict(init_lora_weights(lora_target_specs(params, config), seed, config.r))
+
+
+_PEFT_KEY = re.compile(rf"{re.escape(PEFT_PREFIX)}(.+)\.layers\.(\d+)\.(\w+)\.(\w+)\.(lora_[AB])\.weight")
+
+
+def lora_tree_from_state_dict(state_dict: dict) -> dict:
+    """{peft name: [r,in] / [out,r] array} -> {"model": {"layers_0": {...: {"lora_A": [in,r], "lora_B": [r,out]}}}}."""
+    flat = {}
+    for name, w in state_dict.items():
+        m = _PEFT_KEY.fullmatch(name)
+        if m is None:
+            raise KeyError(f"not a PEFT LoRA weight name: {name}")
+        root, layer, group, proj, leaf = m.groups()
+        flat[(*root.split("."), f"layers_{layer}", group, proj, leaf)] = jnp.asarray(np.asarray(w, np.float32).T)
+    return traverse_util.unflatten_dict(flat)
+
+
+def lora_state_dict(lora_tree: dict) -> dict[str, np.ndarray]:
+    """{peft name: f32 numpy, torch layout} in canonical order (layer, TARGET_ORDER, A then B)."""
+    order = {proj: i for i, (_, proj) in enumerate(TARGET_ORDER)}
+    flat = traverse_util.flatten_dict(lora_tree)
+    out = {}
+    for path in sorted(flat, key=lambda p: (_layer_index(p[-4]), order[p[-2]], p[-1])):
+        *root, layer, group, proj, leaf = path
+        name = f"{PEFT_PREFIX}{'.'.join(root)}.layers.{_layer_index(layer)}.{group}.{proj}.{leaf}.weight"
+        out[name] = np.array(flat[path]).T.copy()
+    return out

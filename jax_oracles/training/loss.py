@@ -1,0 +1,33 @@
+"""Causal-LM loss of HF transformers (ForCausalLMLoss), twin of torch_sources/training/loss.py.
+
+Labels shift left (the last position gets -100), CE over labelled tokens, summed and divided
+by `num_items_in_batch` (labelled tokens of the whole accumulation step), else the token mean.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["IGNORE_INDEX", "causal_lm_loss", "count_label_tokens"]
+
+IGNORE_INDEX = -100
+
+
+def causal_lm_loss(logits, labels, num_items_in_batch=None):
+    """logits f32[B,T,V], labels i32[B,T] -> f32 scalar."""
+    logits = logits.astype(jnp.float32)
+    shift_labels = jnp.pad(labels[:, 1:], ((0, 0), (0, 1)), constant_values=IGNORE_INDEX)  # i32[B,T]
+    valid = shift_labels != IGNORE_INDEX
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, jnp.where(valid, shift_labels, 0)[..., None], axis=-1)[..., 0]  # f32[B,T]
+    total = jnp.sum(jnp.where(valid, nll, 0.0))
+    if num_items_in_batch is None:
+        return total / jnp.sum(valid)
+    return total / num_items_in_batch
+
+
+def count_label_tokens(labels) -> int:
+    """Labelled tokens after the shift (HF Trainer counts labels[..., 1:] != -100)."""
+    return int((np.asarray(labels)[..., 1:] != IGNORE_INDEX).sum())

@@ -1,0 +1,74 @@
+"""AdamW + cosine-with-warmup + grad-norm clipping in optax, matching torch_sources/training/optimizer.py.
+
+Torch's order per step: g *= min(1, max_norm / (||g|| + 1e-6)); p -= lr_s * wd * p;
+p -= lr_s * m_hat / (sqrt(v_hat) + eps), lr_s = lr * multiplier(s) for optimizer step s.
+optax.adamw is chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate): the update
+-lr_s * (m_hat / (sqrt(v_hat) + eps) + wd * p) uses the pre-step p, so it is the same
+arithmetic; its schedule is read at the pre-increment count, i.e. at s. Only the clip differs:
+optax.clip_by_global_norm scales by max_norm / ||g|| without torch's +1e-6, so `clip_grad_norm`
+here is torch's rule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import traverse_util
+
+__all__ = ["get_warmup_steps", "cosine_lr_multiplier", "get_cosine_schedule_with_warmup", "decay_parameter_names",
+           "create_optimizer", "clip_grad_norm"]
+
+
+def get_warmup_steps(num_training_steps: int, warmup_ratio: float) -> int:
+    return math.ceil(num_training_steps * warmup_ratio)
+
+
+def cosine_lr_multiplier(step, num_warmup_steps: int, num_training_steps: int):
+    step = jnp.asarray(step, jnp.float32)
+    warmup = step / max(1, num_warmup_steps)
+    progress = (step - num_warmup_steps) / max(1, num_training_steps - num_warmup_steps)
+    decay = jnp.maximum(0.0, 0.5 * (1.0 + jnp.cos(jnp.pi * progress)))  # num_cycles = 0.5
+    return jnp.where(step < num_warmup_steps, warmup, decay)
+
+
+def get_cosine_schedule_with_warmup(learning_rate: float, num_warmup_steps: int, num_training_steps: int):
+    """optax schedule: count (optimizer steps taken) -> learning rate."""
+    return lambda count: learning_rate * cosine_lr_multiplier(count, num_warmup_steps, num_training_steps)
+
+
+def decay_parameter_names(params) -> list[str]:
+    """"/"-joined paths of the leaves that get weight decay (not biases, not norms)."""
+    flat = traverse_util.flatten_dict(params, sep="/")
+    return [n for n in flat if "bias" not in n and "norm" not in n]
+
+
+def _decay_mask(params):
+    decay = set(decay_parameter_names(params))
+    flat = traverse_util.flatten_dict(params, sep="/")
+    return traverse_util.unflatten_dict({n: n in decay for n in flat}, sep="/")
+
+
+def clip_grad_norm(max_norm: float) -> optax.GradientTransformation:
+    """torch.nn.utils.clip_grad_norm_: g * min(1, max_norm / (||g||_2 + 1e-6))."""
+
+    def update_fn(updates, state, params=None):
+        del params
+        norm = optax.global_norm(updates)
+        coef = jnp.minimum(max_norm / (norm + 1e-6), 1.0)
+        return jax.tree.map(lambda g: g * coef.astype(g.dtype), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def create_optimizer(args, num_training_steps: int) -> optax.GradientTransformation:
+    """clip (torch rule) then AdamW on the cosine schedule over num_training_steps."""
+    warmup = get_warmup_steps(num_training_steps, args.warmup_ratio)
+    schedule = get_cosine_schedule_with_warmup(args.learning_rate, warmup, num_training_steps)
+    adamw = optax.adamw(schedule, b1=args.adam_beta1, b2=args.adam_beta2, eps=args.adam_epsilon,
+                        weight_decay=args.weight_decay, mask=_decay_mask)
+    if args.max_grad_norm > 0:
+        return optax.chain(clip_grad_norm(args.max_grad_norm), adamw)
+    return adamw

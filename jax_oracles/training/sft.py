@@ -1,0 +1,290 @@
+"""LoRA SFT of Llama 3 as LLaMA-Factory runs it, in JAX/optax: twin of torch_sources/training/sft.py.
+
+Same data order (np.random.default_rng(seed + epoch).permutation), same accumulation rule
+(micro-batch loss = summed CE / labelled tokens of the whole step, grads summed), same clip,
+AdamW and cosine schedule. One jitted train step does the whole accumulation step: a
+lax.scan over GA micro-batches of one static shape [B, L] (every batch is right-padded to a
+fixed length L, so it compiles once), then the optax update; the LoRA tree and the optimizer
+state are donated. Rows or micro-batches that pad a short last step carry no labels (and a
+full attention mask, so no softmax row is empty): they add exactly zero to loss and grads.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from conversion.llama3 import load_config, load_params
+from jax_oracles.models.llama3 import LlamaForCausalLM
+
+from .collator import SFTDataCollator, pad_features
+from .lora import LoraConfig, init_lora_tree, lora_state_dict, lora_tree_from_state_dict
+from .loss import IGNORE_INDEX, causal_lm_loss
+from .optimizer import create_optimizer
+from .processor import preprocess_supervised_dataset
+from .template import get_template, load_tokenizer
+
+__all__ = ["TrainArgs", "SFTResult", "lora_config", "load_processed_dataset", "make_collator", "step_example_indices",
+           "num_training_steps", "load_model", "sft_step_loss_and_grads", "train_steps", "evaluate_loss", "train_sft"]
+
+_peft_state_dict = lora_state_dict  # for functions whose lora_state_dict argument shadows the name
+
+jax.config.update("jax_default_matmul_precision", "highest")  # fp32 parity with torch (no TF32/bf16 passes)
+
+
+@dataclass(frozen=True)
+class TrainArgs:
+    """HF TrainingArguments / LF data and finetuning argument names."""
+
+    learning_rate: float = 5e-3
+    num_train_epochs: int = 4
+    per_device_train_batch_size: int = 4
+    per_device_eval_batch_size: int = 4
+    gradient_accumulation_steps: int = 2
+    lr_scheduler_type: str = "cosine"
+    warmup_ratio: float = 0.1
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    cutoff_len: int = 64
+    template: str = "llama3"
+    seed: int = 0
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+
+    def __post_init__(self):
+        assert self.lr_scheduler_type == "cosine", self.lr_scheduler_type
+        assert self.lora_dropout == 0.0, "dropout would need a shared noise source with torch"
+
+
+@dataclass(frozen=True)
+class SFTResult:
+    step_losses: list[float]
+    eval_loss_before: float
+    eval_loss_after: float
+    lora_state_dict: dict[str, np.ndarray]
+    wall_clock_s: float
+
+
+def lora_config(args: TrainArgs) -> LoraConfig:
+    return LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout)
+
+
+def _fixed_tokenizer(tokenizer_dir, args: TrainArgs):
+    template = get_template(args.template)
+    return template, template.fix_special_tokens(load_tokenizer(tokenizer_dir))
+
+
+def load_processed_dataset(tokenizer_dir, data_dir, split: str, args: TrainArgs) -> list[dict]:
+    """data_dir/{split}.json (alpaca rows) through the template and the supervised processor."""
+    template, tokenizer = _fixed_tokenizer(tokenizer_dir, args)
+    rows = json.loads((Path(data_dir) / f"{split}.json").read_text())
+    return preprocess_supervised_dataset(rows, tokenizer, template, args.cutoff_len)
+
+
+def make_collator(args: TrainArgs, tokenizer_dir=None, pad_to_length: int | None = None) -> SFTDataCollator:
+    """The training collator; pad id = the template-fixed tokenizer's pad (LF: eos), 0 without a
+    tokenizer (pads are masked and unlabelled, so the id never changes a loss)."""
+    pad_token_id = 0 if tokenizer_dir is None else _fixed_tokenizer(tokenizer_dir, args)[1].pad_token_id
+    return SFTDataCollator(pad_token_id=pad_token_id, pad_to_length=pad_to_length)
+
+
+def step_example_indices(num_examples: int, args: TrainArgs, epoch: int) -> list[list[np.ndarray]]:
+    """Example indices of every micro-batch of every optimizer step of one epoch."""
+    order = np.random.default_rng(args.seed + epoch).permutation(num_examples)
+    B, GA = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    micro = [order[s:s + B] for s in range(0, num_examples, B)]
+    return [micro[s:s + GA] for s in range(0, len(micro), GA)]
+
+
+def num_training_steps(num_examples: int, args: TrainArgs) -> int:
+    micro = math.ceil(num_examples / args.per_device_train_batch_size)
+    return args.num_train_epochs * math.ceil(micro / args.gradient_accumulation_steps)
+
+
+@dataclass(frozen=True)
+class CausalLM:
+    """A Linen module and its base params (the JAX counterpart of a loaded torch model)."""
+
+    module: LlamaForCausalLM
+    params: dict
+
+
+def load_model(model_dir, lora: LoraConfig | None = None, seed: int = 0) -> CausalLM:
+    """The checkpoint as (module, params); LoRA weights are passed separately as the "lora" collection."""
+    del seed  # kept for the torch signature; adapters come from init_lora_tree / lora_tree_from_state_dict
+    scaling = (lora or LoraConfig()).scaling
+    return CausalLM(LlamaForCausalLM(load_config(model_dir), lora_scaling=scaling), load_params(model_dir))
+
+
+# ---- jitted pieces (cached per module, optimizer and shape) ----------------------------------
+
+def _label_count(labels):  # i32[..., T] -> f32 scalar: labelled tokens after the shift
+    return jnp.sum(labels[..., 1:] != IGNORE_INDEX).astype(jnp.float32)
+
+
+def _accumulate(module, params, lora, batches):
+    """batches: dict of i32[GA,B,L] -> (step loss, summed grads) over the GA micro-batches."""
+    num_items = _label_count(batches["labels"])
+
+    def micro_loss(lora, batch):
+        logits = module.apply({"params": params, "lora": lora}, batch["input_ids"], batch["attention_mask"])
+        return causal_lm_loss(logits, batch["labels"], num_items)
+
+    def body(carry, batch):
+        loss_sum, grad_sum = carry
+        loss, grads = jax.value_and_grad(micro_loss)(lora, batch)
+        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+    init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, lora))
+    (loss, grads), _ = jax.lax.scan(body, init, batches)
+    return loss, grads
+
+
+@functools.lru_cache(maxsize=None)
+def _loss_and_grads_fn(module):
+    return jax.jit(functools.partial(_accumulate, module))
+
+
+@functools.lru_cache(maxsize=None)
+def _train_step_fn(module, tx):
+    def train_step(params, lora, opt_state, batches):
+        loss, grads = _accumulate(module, params, lora, batches)
+        updates, opt_state = tx.update(grads, opt_state, lora)
+        return optax.apply_updates(lora, updates), opt_state, loss
+
+    return jax.jit(train_step, donate_argnums=(1, 2))
+
+
+@functools.lru_cache(maxsize=None)
+def _eval_fn(module):
+    def summed_ce(params, lora, batch):  # -> (summed CE, labelled tokens)
+        variables = {"params": params} if lora is None else {"params": params, "lora": lora}
+        logits = module.apply(variables, batch["input_ids"], batch["attention_mask"])
+        return causal_lm_loss(logits, batch["labels"], 1.0), _label_count(batch["labels"])
+
+    return jax.jit(summed_ce)
+
+
+# ---- static-shape batching -------------------------------------------------------------------
+
+def _pad_batch(batch: dict, rows: int, length: int, pad_token_id: int) -> dict[str, np.ndarray]:
+    """Right-pad a collated batch to [rows, length]. Pad columns of real rows are masked; filler
+    rows get a full mask (no empty softmax row) and no labels."""
+    n, t = np.shape(batch["input_ids"])
+    ids = np.full((rows, length), pad_token_id, np.int32)
+    mask = np.ones((rows, length), np.int32)
+    mask[:n] = 0
+    labels = np.full((rows, length), IGNORE_INDEX, np.int32)
+    ids[:n, :t], mask[:n, :t], labels[:n, :t] = batch["input_ids"], batch["attention_mask"], batch["labels"]
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _stack_step(micro_batches: list[dict], num_micro: int, rows: int, length: int,
+                pad_token_id: int) -> dict[str, np.ndarray]:
+    """GA micro-batches -> dict of i32[num_micro, rows, length]; missing micro-batches are filler."""
+    filler = {k: np.zeros((0, 0), np.int32) for k in ("input_ids", "attention_mask", "labels")}
+    padded = [_pad_batch(b, rows, length, pad_token_id) for b in micro_batches]
+    padded += [_pad_batch(filler, rows, length, pad_token_id)] * (num_micro - len(micro_batches))
+    return {k: np.stack([b[k] for b in padded]) for k in padded[0]}
+
+
+def _step_shape(step_batches: list[list[dict]]) -> tuple[int, int, int]:
+    num_micro = max(len(s) for s in step_batches)
+    rows = max(np.shape(b["input_ids"])[0] for s in step_batches for b in s)
+    length = max(np.shape(b["input_ids"])[1] for s in step_batches for b in s)
+    return num_micro, rows, length
+
+
+def sft_step_loss_and_grads(model: CausalLM, lora_state_dict: dict, micro_batches: list[dict]) -> tuple[float, dict]:
+    """Loss and LoRA grads ({peft name: array}, torch layout) of one accumulation step, no update."""
+    num_micro, rows, length = _step_shape([micro_batches])
+    batches = _stack_step(micro_batches, num_micro, rows, length, pad_token_id=0)
+    loss, grads = _loss_and_grads_fn(model.module)(model.params, lora_tree_from_state_dict(lora_state_dict), batches)
+    return float(loss), _peft_state_dict(grads)
+
+
+def _run_steps(model: CausalLM, lora, tx, steps, pad_token_id: int, shape) -> tuple[list[float], dict]:
+    """Run the jitted step over an iterable of micro-batch lists; returns (losses, final lora tree)."""
+    step_fn = _train_step_fn(model.module, tx)
+    opt_state = tx.init(lora)
+    losses = []
+    for micro_batches in steps:
+        batches = _stack_step(micro_batches, *shape, pad_token_id)
+        lora, opt_state, loss = step_fn(model.params, lora, opt_state, batches)
+        losses.append(loss)  # stays on device: no host sync per step
+    return [float(x) for x in jax.device_get(losses)], lora
+
+
+def train_steps(model_dir, lora_init_state_dict: dict, step_batches: list[list[dict]],
+                args: TrainArgs) -> tuple[list[float], dict]:
+    """len(step_batches) optimizer steps on fixed collated batches (the schedule spans them all)."""
+    model = load_model(model_dir, lora_config(args))
+    tx = create_optimizer(args, len(step_batches))
+    lora = lora_tree_from_state_dict(lora_init_state_dict)
+    losses, lora = _run_steps(model, lora, tx, step_batches, 0, _step_shape(step_batches))
+    return losses, lora_state_dict(lora)
+
+
+def _evaluate(model: CausalLM, lora, features: list[dict], batch_size: int, length: int) -> float:
+    """Token-mean CE; every eval batch is padded to [batch_size, length] (one compile)."""
+    collate = SFTDataCollator(pad_token_id=0, pad_to_length=length)  # pads are masked and unlabelled
+    fn = _eval_fn(model.module)
+    sums = []
+    for s in range(0, len(features), batch_size):
+        batch = _pad_batch(collate(features[s:s + batch_size]), batch_size, length, 0)
+        sums.append(fn(model.params, lora, batch))
+    total, count = np.sum(np.asarray(jax.device_get(sums), np.float64), axis=0)
+    return float(total / count)
+
+
+def _bucket_length(features: list[dict]) -> int:
+    """The longest row (<= cutoff_len after preprocessing) rounded up to a multiple of 8."""
+    return -(-max(len(f["input_ids"]) for f in features) // 8) * 8
+
+
+def evaluate_loss(model_dir, lora_state_dict: dict | None, eval_features: list[dict], args: TrainArgs) -> float:
+    """Token-mean CE over eval_features (processed rows), batched; the base model when lora is None."""
+    model = load_model(model_dir, lora_config(args))
+    lora = None if lora_state_dict is None else lora_tree_from_state_dict(lora_state_dict)
+    length = _bucket_length(eval_features)
+    return _evaluate(model, lora, eval_features, args.per_device_eval_batch_size, length)
+
+
+def train_sft(model_dir, tokenizer_dir, data_dir, args: TrainArgs = TrainArgs()) -> SFTResult:
+    """End to end from data_dir/{train,eval}.json (alpaca rows) to a trained adapter."""
+    start = time.perf_counter()
+    train = load_processed_dataset(tokenizer_dir, data_dir, "train", args)
+    held_out = load_processed_dataset(tokenizer_dir, data_dir, "eval", args)
+    length = _bucket_length(train + held_out)  # one static shape for every batch
+    collate = make_collator(args, tokenizer_dir, pad_to_length=length)
+
+    model = load_model(model_dir, lora_config(args))
+    lora = init_lora_tree(model.params, lora_config(args), args.seed)
+    # lora_B starts at zero, so the adapted model is exactly the base model: evaluating it
+    # instead of the lora-free model reuses the eval compile of the trained adapter.
+    eval_batch = args.per_device_eval_batch_size
+    eval_loss_before = _evaluate(model, lora, held_out, eval_batch, length)
+    tx = create_optimizer(args, num_training_steps(len(train), args))
+    steps = (
+        [collate([train[i] for i in idx]) for idx in step]
+        for epoch in range(args.num_train_epochs)
+        for step in step_example_indices(len(train), args, epoch)
+    )
+    shape = (args.gradient_accumulation_steps, args.per_device_train_batch_size, length)
+    step_losses, lora = _run_steps(model, lora, tx, steps, collate.pad_token_id, shape)
+    eval_loss_after = _evaluate(model, lora, held_out, eval_batch, length)
+    return SFTResult(step_losses, eval_loss_before, eval_loss_after, lora_state_dict(lora),
+                     time.perf_counter() - start)

@@ -1,0 +1,118 @@
+"""The recorder's real entry point (Hydra's `main` is a shim around `run`)."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import platform
+import time
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+from rich.console import Console
+
+from grader.h5schema import SCHEMA_VERSION, write_reference
+from recorder.provenance import ROOT, provenance, stale_reasons
+
+console = Console(stderr=True)
+CONFIG_DIR = ROOT / "configs"
+
+
+def known_tasks() -> list[str]:
+    return sorted(p.stem for p in (CONFIG_DIR / "task").glob("*.yaml"))
+
+
+def compose_task(task: str, overrides: list[str] | None = None) -> DictConfig:
+    """The resolved recorder config of one task, as `python -m recorder task=...` would compose it."""
+    if task not in known_tasks():
+        raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(known_tasks())}")
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        return compose("recorder", overrides=[f"task={task}", *(overrides or [])])
+
+
+def task_class(cfg: DictConfig) -> str:
+    return cfg.method.task_class if "method" in cfg else cfg.mode.task_class
+
+
+def _package_versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "numpy", "safetensors", "tokenizers", "h5py", "hydra-core"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def record(cfg: DictConfig) -> Path:
+    """Run the task's torch source in fp32 and write references/<task>.h5; return its path."""
+    from recorder.device import device_description, setup_device
+
+    name = cfg.task_name
+    out_dir = (ROOT / cfg.out_dir) if not os.path.isabs(cfg.out_dir) else Path(cfg.out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RuntimeError(f"cannot create output directory {out_dir}: {e}") from e
+    if not os.access(out_dir, os.W_OK):
+        raise RuntimeError(f"output directory {out_dir} is not writable")
+    ckpt = ROOT / cfg.family.checkpoint
+    if not (ckpt / "config.json").is_file():
+        raise FileNotFoundError(f"checkpoint {ckpt} has no config.json (run `make assets` to build the tiny ones)")
+
+    dev = setup_device(cfg.device.name, seed=0)
+    import torch
+    probes = importlib.import_module(f"recorder.probes.{task_class(cfg)}")
+    started = time.perf_counter()
+    checks, band, wall = probes.record_task(cfg, dev, console)
+    attrs = {
+        "schema_version": SCHEMA_VERSION,
+        "task": name,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": device_description(dev),
+        "dtype": "float32",
+        "seed": 0,
+        "torch_version": torch.__version__,
+        "package_versions": _package_versions(),
+        "wall_clock_s": float(wall),
+        **provenance(cfg),
+    }
+    path = out_dir / f"{name}.h5"
+    write_reference(path, attrs, checks, band)
+    console.print(f"[green]wrote[/] {path} ({len(checks)} checks, recorded in "
+                  f"{time.perf_counter() - started:.1f} s; end-to-end torch run {wall:.2f} s)")
+    return path
+
+
+def list_stale(out_dir: Path) -> int:
+    n = 0
+    for h5 in sorted(out_dir.glob("*.h5")):
+        task = h5.stem
+        if task not in known_tasks():
+            print(f"{task}: stale (no task config named {task!r})")
+            n += 1
+            continue
+        reasons = stale_reasons(h5, compose_task(task))
+        if reasons:
+            n += 1
+            print(f"{task}: stale ({'; '.join(reasons)})")
+    print(f"stale={n}")
+    return n
+
+
+def run(cfg: DictConfig) -> int:
+    if cfg.stale:
+        list_stale(ROOT / cfg.out_dir)
+        return 0
+    if "task_name" not in cfg:
+        console.print(f"[red]no task given[/]: pass task=NAME; valid tasks: {', '.join(known_tasks())}")
+        return 2
+    try:
+        record(cfg)
+    except (FileNotFoundError, RuntimeError, ValueError) as e:
+        console.print(f"[red]recording {cfg.task_name} failed:[/] {e}")
+        return 1
+    return 0

@@ -1,0 +1,309 @@
+"""Record every check of the serving class (levels L0-L6) from the pure-PyTorch vLLM-style engine.
+
+Inputs come from numpy (seeded by check name); the JAX twin is grader/probes/serving.py.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import time
+
+import numpy as np
+import torch
+
+from recorder.probes.training import ROOT, n, public_names, rng_for, t
+
+SERVING_MODULES = ("serving/config.py", "serving/request.py", "serving/block_pool.py",
+                   "serving/kv_cache_manager.py", "serving/scheduler.py", "serving/input_batch.py",
+                   "serving/paged_attention.py", "serving/sampler.py", "serving/model_runner.py",
+                   "serving/engine.py")
+ENGINE_API = ("LLMEngine.add_request", "LLMEngine.step", "LLMEngine.generate", "LLMEngine.stats",
+              "ModelRunner.prefill_logits", "ModelRunner.teacher_forced_decode")
+PROMPT_LENS = {"prefill_t5": 5, "prefill_t17": 17, "prefill_t40": 40}
+SAMPLED = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.1)
+
+
+def sv(name):
+    return importlib.import_module(f"torch_sources.serving.{name}")
+
+
+class Ctx:
+    def __init__(self, cfg):
+        torch.set_num_threads(1)  # eager small-batch decode: threads cost more than they give on 2 cores
+        self.cfg = cfg
+        self.ckpt = ROOT / cfg.family.checkpoint
+        self.family = importlib.import_module("torch_sources." + cfg.family.model_module[:-3].replace("/", "."))
+        self.engine_config = sv("config").EngineConfig(**dict(cfg.mode.engine))
+        self.runner = sv("model_runner").ModelRunner(self.ckpt, self.engine_config)
+        self.config = self.runner.model_config
+        self.vocab = self.config.vocab_size
+
+    def fresh_runner(self):
+        return sv("model_runner").ModelRunner(self.ckpt, self.engine_config)
+
+
+def workload(cfg, vocab: int, name: str = "workload"):
+    """Prompts of the mode's workload; with shared_prefix, most prompts start with the same tokens."""
+    w, r = cfg.mode.workload, rng_for(f"{cfg.task_name}/{name}")
+    lo, hi = w.prompt_len
+    prefix = list(r.integers(3, vocab, w.shared_prefix)) if w.shared_prefix else []
+    prompts = []
+    for i in range(w.num_requests):
+        body = list(r.integers(3, vocab, int(r.integers(lo, hi + 1))))
+        prompts.append([int(x) for x in ((prefix + body) if prefix and i % 4 != 3 else body)])
+    return prompts
+
+
+def _pad(rows, width, fill=-1):
+    out = np.full((len(rows), width), fill, np.int64)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
+
+
+# ---- L0 ----------------------------------------------------------------------------------------
+
+def probe_layout(ctx):
+    mods = [ctx.cfg.family.model_module, f"serving/models/{ctx.cfg.family.name}.py", *SERVING_MODULES]
+    names = [f"{m}:{name}" for m in mods for name in public_names(ROOT / "torch_sources" / m)]
+    return {"names": np.array(names)}, {"missing": np.array(0)}
+
+
+def probe_engine_api(ctx):
+    return {"names": np.array(ENGINE_API)}, {"missing": np.array(0)}
+
+
+def probe_param_tree(ctx):
+    numels = sorted(p.numel() for p in ctx.runner.model.state_dict().values())
+    return {}, {"numel_sorted": np.array(numels, np.int64), "total": np.array(sum(numels), np.int64)}
+
+
+# ---- L1 ----------------------------------------------------------------------------------------
+
+def _ragged_case(name, K, H, window=None, cap=None):
+    r = rng_for(name)
+    S, P, N = 4, 24, 2 * K
+    q_lens, kv_lens = [5, 1, 3, 1], [5, 9, 14, 4]  # prefill, decode, chunk after context, decode
+    pages_per_seq = 4
+    table = r.permutation(P)[: 4 * pages_per_seq].reshape(4, pages_per_seq).astype(np.int32)
+    T = 16  # padded token bucket
+    q = r.standard_normal((T, N, H), np.float32)
+    k = r.standard_normal((P, S, K, H), np.float32)
+    v = r.standard_normal((P, S, K, H), np.float32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return {"q": q, "k_pages": k, "v_pages": v, "kv_lens": np.array(kv_lens, np.int32), "page_indices": table,
+            "cu_q_lens": cu, "num_seqs": np.array([4], np.int32), "sm_scale": np.float32(H ** -0.5),
+            "sliding_window": np.int32(window or 0), "soft_cap": np.float32(cap or 0.0)}
+
+
+def _attention_probe(name, window=None, cap=None):
+    def probe(ctx):
+        inp = _ragged_case(name, 2, 16, window, cap)
+        out = sv("paged_attention").ragged_paged_attention(
+            *(t(inp[k]) for k in ("q", "k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")),
+            sm_scale=float(inp["sm_scale"]), sliding_window=window, soft_cap=cap)
+        used = int(inp["cu_q_lens"][-1])
+        return inp, {"out": n(out)[:used]}
+    return probe
+
+
+def _inv_freqs(family, config):
+    sig = inspect.signature(family.rope_inv_freq).parameters
+    if "layer_type" in sig:
+        return {lt: family.rope_inv_freq(config, lt) for lt in sorted(set(config.layer_types))}
+    return {"default": family.rope_inv_freq(config)}
+
+
+def probe_rope(ctx):
+    pos = np.array([[0, 1, 2, 7, 8, 63, 64, 100]], np.int32)
+    out = {}
+    for lt, inv in _inv_freqs(ctx.family, ctx.config).items():
+        cos, sin = ctx.family.rope_cos_sin(inv, t(pos))
+        out.update({f"{lt}.inv_freq": n(inv), f"{lt}.cos": n(cos), f"{lt}.sin": n(sin)})
+    return {"position_ids": pos}, out
+
+
+def probe_norm(ctx):
+    r = rng_for("norm")
+    D = ctx.config.hidden_size
+    x, w = r.standard_normal((3, D), np.float32) * 2, (1 + 0.1 * r.standard_normal(D)).astype(np.float32)
+    return {"x": x, "weight": w}, {"y": n(ctx.family.rms_norm(t(x), t(w), ctx.config.rms_norm_eps))}
+
+
+def _sampler_case(ctx):
+    r = rng_for("sampler")
+    B, V = 4, ctx.vocab
+    logits = (r.standard_normal((B, V)) * 3).astype(np.float32)
+    prompt_mask = r.random((B, V)) < 0.05
+    counts = (r.random((B, V)) < 0.03).astype(np.int32) * r.integers(1, 3, (B, V)).astype(np.int32)
+    return {"logits": logits, "prompt_ids_mask": prompt_mask, "output_counts": counts,
+            "repetition_penalty": np.array([1.0, 1.2, 1.5, 0.9], np.float32),
+            "presence_penalty": np.array([0.0, 0.5, 0.0, 0.2], np.float32),
+            "frequency_penalty": np.array([0.0, 0.1, 0.3, 0.0], np.float32),
+            "temperature": np.array([0.0, 0.7, 1.0, 1.3], np.float32),
+            "min_p": np.array([0.0, 0.05, 0.1, 0.0], np.float32),
+            "top_k": np.array([0, 5, 50, 1], np.int32), "top_p": np.array([1.0, 0.9, 0.5, 0.8], np.float32),
+            "noise": np.stack([sv("sampler").exponential_noise(7, i, V) for i in range(B)])}
+
+
+def _sampler_probe(which):
+    def probe(ctx):
+        s, inp = sv("sampler"), _sampler_case(ctx)
+        x = t(inp["logits"])
+        if which == "penalties":
+            y = s.apply_penalties(x, t(inp["prompt_ids_mask"]), t(inp["output_counts"]),
+                                  t(inp["repetition_penalty"]), t(inp["presence_penalty"]),
+                                  t(inp["frequency_penalty"]))
+        elif which == "temperature":
+            y = s.apply_temperature(x, t(inp["temperature"]))
+        elif which == "min_p":  # masks with -inf: compare the kept set
+            return inp, {"kept": n(torch.isfinite(s.apply_min_p(x, t(inp["min_p"])))).astype(np.int64)}
+        elif which == "top_k_top_p":
+            y = s.apply_top_k_top_p(x, t(inp["top_k"]), t(inp["top_p"]))
+            return inp, {"kept": n(torch.isfinite(y)).astype(np.int64)}
+        elif which == "greedy":
+            return inp, {"ids": n(s.greedy_sample(x)).astype(np.int64)}
+        else:  # random_sample on the fully transformed row
+            y = s.apply_top_k_top_p(s.apply_min_p(s.apply_temperature(x, t(inp["temperature"])),
+                                                  t(inp["min_p"])), t(inp["top_k"]), t(inp["top_p"]))
+            ids = s.random_sample(torch.softmax(y, -1), t(inp["noise"]))
+            return inp, {"ids": n(ids).astype(np.int64)}
+        return inp, {"logits": n(y)}
+    return probe
+
+
+# ---- L2 ----------------------------------------------------------------------------------------
+
+def probe_decoder_layer_paged(ctx):
+    r, c = rng_for("decoder_layer_paged"), ctx.config
+    pa, runner = sv("paged_attention"), ctx.fresh_runner()
+    T, S = 11, ctx.engine_config.block_size
+    table = r.permutation(ctx.engine_config.num_blocks)[: -(-T // S)].astype(np.int32)
+    slots = np.array([table[i // S] * S + i % S for i in range(T)], np.int32)
+    hidden = r.standard_normal((T, c.hidden_size), np.float32)
+    inp = {"hidden": hidden, "positions": np.arange(T, dtype=np.int32), "slot_mapping": slots,
+           "page_indices": table[None], "kv_lens": np.array([T], np.int32),
+           "cu_q_lens": np.array([0, T], np.int32), "num_seqs": np.array([1], np.int32)}
+    meta = pa.AttentionMetadata(slot_mapping=t(slots), kv_lens=t(inp["kv_lens"]), page_indices=t(table[None]),
+                                cu_q_lens=t(inp["cu_q_lens"]), num_seqs=t(inp["num_seqs"]))
+    fn = runner.family.decoder_layer_paged
+    args = [runner.model, 0, t(hidden)]
+    if "per_layer_input" in inspect.signature(fn).parameters:
+        ple = r.standard_normal((T, c.hidden_size_per_layer_input), np.float32)
+        inp["per_layer_input"] = ple
+        args.append(t(ple))
+    out, cache = fn(*args, t(inp["positions"]), runner.kv_cache, meta)
+    k = cache.k[0][t(table).long()].reshape(-1, *cache.k[0].shape[2:])[:T]
+    v = cache.v[0][t(table).long()].reshape(-1, *cache.v[0].shape[2:])[:T]
+    return inp, {"hidden": n(out), "k_written": n(k), "v_written": n(v)}
+
+
+# ---- L3 / L4 -----------------------------------------------------------------------------------
+
+def _prompt(name, vocab, length):
+    return rng_for(name).integers(3, vocab, length).astype(np.int32)
+
+
+def _prefill_probe(name):
+    def probe(ctx):
+        ids = _prompt(name, ctx.vocab, PROMPT_LENS[name])
+        return {"token_ids": ids}, {"logits": n(ctx.fresh_runner().prefill_logits(ids.tolist()))}
+    return probe
+
+
+def probe_teacher_forced(ctx):
+    prompt, cont = _prompt("tf_prompt", ctx.vocab, 11), _prompt("tf_cont", ctx.vocab, 8)
+    logits, snap = ctx.fresh_runner().teacher_forced_decode(prompt.tolist(), cont.tolist())
+    return {"prompt": prompt, "continuation": cont}, {"logits": n(logits)}
+
+
+def probe_cache_state(ctx):
+    prompt, cont = _prompt("tf_prompt", ctx.vocab, 11), _prompt("tf_cont", ctx.vocab, 8)
+    _, snap = ctx.fresh_runner().teacher_forced_decode(prompt.tolist(), cont.tolist())
+    return {"prompt": prompt, "continuation": cont}, {k.replace(".", "_"): v for k, v in sorted(snap.items())}
+
+
+# ---- L5 / L6 -----------------------------------------------------------------------------------
+
+def run_workload(ctx, sampled: bool):
+    cfg, SP = ctx.cfg, sv("config").SamplingParams
+    prompts = workload(cfg, ctx.vocab)
+    w = cfg.mode.workload
+    params = [SP(temperature=0.0, max_tokens=w.max_tokens, ignore_eos=True) if not sampled else
+              SP(max_tokens=w.max_tokens, ignore_eos=True, seed=100 + i, **SAMPLED) for i in range(len(prompts))]
+    engine = sv("engine").LLMEngine(ctx.ckpt, ctx.engine_config)
+    started = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    wall = time.perf_counter() - started
+    stats = engine.stats()
+    return prompts, outs, stats, wall
+
+
+def probe_greedy_sequences(ctx):
+    prompts, outs, stats, wall = run_workload(ctx, sampled=False)
+    ctx.wall = wall
+    ctx.greedy = (prompts, outs)
+    return ({"prompts": _pad(prompts, max(map(len, prompts)))},
+            {"output_ids": _pad([o.output_token_ids for o in outs], ctx.cfg.mode.workload.max_tokens)})
+
+
+def probe_sampled_sequences(ctx):
+    prompts, outs, _, _ = run_workload(ctx, sampled=True)
+    return ({"prompts": _pad(prompts, max(map(len, prompts)))},
+            {"output_ids": _pad([o.output_token_ids for o in outs], ctx.cfg.mode.workload.max_tokens)})
+
+
+def probe_engine_invariants(ctx):
+    prompts, _, stats, _ = run_workload(ctx, sampled=False)
+    return {"prompts": _pad(prompts, max(map(len, prompts)))}, {"prefix_hit_blocks": np.array(stats["num_prefix_hit_blocks"], np.int64),
+                "free_blocks_after": np.array(stats["num_free_blocks"], np.int64),
+                "num_blocks": np.array(stats["num_blocks"], np.int64)}
+
+
+def probe_heldout_logprobs(ctx):
+    prompts = [_prompt(f"heldout_{i}", ctx.vocab, L).tolist() for i, L in enumerate((12, 25, 7))]
+    runner, out = ctx.fresh_runner(), {}
+    for i, p in enumerate(prompts):
+        lp = torch.log_softmax(runner.prefill_logits(p), -1)[:-1].gather(-1, torch.tensor(p[1:])[:, None])[:, 0]
+        out[f"prompt_{i}"] = n(lp)
+    return {f"prompt_{i}": np.array(p, np.int32) for i, p in enumerate(prompts)}, out
+
+
+def probe_next_token_dists(ctx):
+    """Next-token distributions along each greedy continuation (tie-robust: distributions, not argmaxes)."""
+    prompts, outs = ctx.greedy
+    inp, out = {}, {}
+    for i, (p, o) in enumerate(zip(prompts[:4], outs[:4])):
+        logits, _ = ctx.fresh_runner().teacher_forced_decode(p, o.output_token_ids[:-1])
+        first = ctx.fresh_runner().prefill_logits(p)[-1:]
+        inp[f"prompt_{i}"], inp[f"continuation_{i}"] = np.array(p, np.int32), np.array(o.output_token_ids[:-1],
+                                                                                       np.int32)
+        out[f"logits_{i}"] = n(torch.cat([first, logits]))
+    return inp, out
+
+
+PROBES = {
+    "layout": probe_layout, "engine_api": probe_engine_api, "param_tree": probe_param_tree,
+    "paged_attention": _attention_probe("paged_attention"),
+    "paged_attention_window_softcap": _attention_probe("paged_attention_window_softcap", window=3, cap=5.0),
+    "rope": probe_rope, "norm": probe_norm,
+    **{f"sampler_{w}": _sampler_probe(w) for w in ("penalties", "temperature", "min_p", "top_k_top_p",
+                                                   "greedy", "random")},
+    "decoder_layer_paged": probe_decoder_layer_paged,
+    **{name: _prefill_probe(name) for name in PROMPT_LENS},
+    "decode_logits": probe_teacher_forced, "cache_state": probe_cache_state,
+    "greedy_sequences": probe_greedy_sequences, "sampled_sequences": probe_sampled_sequences,
+    "engine_invariants": probe_engine_invariants,
+    "heldout_logprobs": probe_heldout_logprobs, "next_token_dists": probe_next_token_dists,
+}
+
+
+def record_task(cfg, dev, console):
+    """-> (records, band, end-to-end wall-clock of the L5 workload on the torch engine)."""
+    from grader.checks import checks_for
+    from recorder.probes import run_probes
+
+    spec, checks = checks_for("serving")
+    ctx = Ctx(cfg)
+    records = run_probes([s for s in spec + checks if s.name != "torch_free"], PROBES, ctx, console)
+    return records, None, ctx.wall

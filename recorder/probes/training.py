@@ -1,0 +1,205 @@
+"""Record every check of the training class (levels L0-L6) from the pure-PyTorch sources.
+
+Each probe draws its inputs from numpy (seeded by the check name, so the inputs never depend on
+torch's RNG), runs the torch source on them in fp32 and returns a CheckRecord. The JAX twin of
+this file is grader/probes/training.py, which gets only the inputs.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from grader.checks import checks_for
+from grader.h5schema import CheckRecord
+from recorder.provenance import ROOT
+
+# modules whose public names a candidate must mirror (relative to torch_sources/ and jax_oracles/)
+TRAINING_MODULES = ("training/template.py", "training/processor.py", "training/collator.py",
+                    "training/lora.py", "training/optimizer.py", "training/loss.py", "training/sft.py")
+
+
+def rng_for(name: str) -> np.random.Generator:
+    return np.random.default_rng(int(hashlib.sha256(name.encode()).hexdigest()[:8], 16))
+
+
+def public_names(path: Path) -> list[str]:
+    """`__all__` of a source file, read statically."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    raise ValueError(f"{path} declares no __all__")
+
+
+class Ctx:
+    """What the probes share: the config, the torch family module, the loaded model."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.family = importlib.import_module("torch_sources." + cfg.family.model_module[:-3].replace("/", "."))
+        self.prefix = cfg.family.model_prefix
+        self.ckpt = ROOT / cfg.family.checkpoint
+        self.model = getattr(self.family, f"{self.prefix}ForCausalLM").from_pretrained(self.ckpt)
+        self.config = self.model.config
+        self.sft = importlib.import_module("torch_sources.training.sft")
+        self.args = self.sft.TrainArgs(**dict(cfg.method.train))
+
+    def cls(self, suffix):
+        return getattr(self.family, f"{self.prefix}{suffix}")
+
+
+def t(x):
+    return torch.from_numpy(np.asarray(x))
+
+
+def n(x):
+    return x.detach().cpu().numpy()
+
+
+# ---- L0 spec -----------------------------------------------------------------------------------
+
+def probe_layout(ctx):
+    mods = [ctx.cfg.family.model_module, *TRAINING_MODULES]
+    names = [f"{m}:{name}" for m in mods for name in public_names(ROOT / "torch_sources" / m)]
+    return {"names": np.array(names)}, {"missing": np.array(0)}
+
+
+def probe_param_tree(ctx):
+    numels = sorted(p.numel() for p in ctx.model.state_dict().values())
+    return {}, {"numel_sorted": np.array(numels, np.int64), "total": np.array(sum(numels), np.int64)}
+
+
+def probe_lora_trainable(ctx):
+    lora = importlib.import_module("torch_sources.training.lora")
+    model = getattr(ctx.family, f"{ctx.prefix}ForCausalLM").from_pretrained(ctx.ckpt)
+    lora.inject_lora(model, ctx.sft.lora_config(ctx.args), seed=0)
+    sd = lora.lora_state_dict(model)
+    trainable = sorted(name for name, p in model.named_parameters() if p.requires_grad)
+    assert len(trainable) == len(sd), "every trainable parameter is a LoRA matrix"
+    names = sorted(sd)
+    return {}, {"names": np.array(names), "shapes": np.array([sd[k].shape for k in names], np.int64)}
+
+
+# ---- L1 operators ------------------------------------------------------------------------------
+
+def probe_rms_norm(ctx):
+    r = rng_for("rms_norm")
+    x = r.standard_normal((2, 5, ctx.config.hidden_size), np.float32) * 3
+    w = (1 + 0.1 * r.standard_normal(ctx.config.hidden_size)).astype(np.float32)
+    return {"x": x, "weight": w}, {"y": n(ctx.family.rms_norm(t(x), t(w), ctx.config.rms_norm_eps))}
+
+
+def probe_rope(ctx):
+    r = rng_for("rope")
+    hd = ctx.config.head_dim
+    pos = np.stack([np.arange(9), np.arange(9) + 57]).astype(np.int32)  # past original_max too
+    x = r.standard_normal((2, 9, ctx.config.num_attention_heads, hd), np.float32)
+    inv = ctx.family.rope_inv_freq(ctx.config)
+    cos, sin = ctx.family.rope_cos_sin(inv, t(pos))
+    return {"position_ids": pos, "x": x}, {"inv_freq": n(inv), "cos": n(cos), "sin": n(sin),
+                                           "x_rot": n(ctx.family.apply_rope(t(x), cos, sin))}
+
+
+def probe_mlp(ctx):
+    x = rng_for("mlp").standard_normal((2, 5, ctx.config.hidden_size), np.float32)
+    return {"x": x}, {"y": n(ctx.model.model.layers[0].mlp(t(x)))}
+
+
+def probe_attention_core(ctx):
+    r, c = rng_for("attention_core"), ctx.config
+    q = r.standard_normal((2, 6, c.num_attention_heads, c.head_dim), np.float32)
+    k = r.standard_normal((2, 6, c.num_key_value_heads, c.head_dim), np.float32)
+    v = r.standard_normal((2, 6, c.num_key_value_heads, c.head_dim), np.float32)
+    am = np.array([[1] * 6, [1] * 4 + [0] * 2], np.int32)
+    out = ctx.family.eager_attention(t(q), t(k), t(v), ctx.family.causal_mask(t(am)), c.head_dim ** -0.5)
+    return {"q": q, "k": k, "v": v, "attention_mask": am}, {"out": n(out)}
+
+
+def probe_lora_linear(ctx):
+    lora = importlib.import_module("torch_sources.training.lora")
+    r = rng_for("lora_linear")
+    x = r.standard_normal((2, 5, 64), np.float32)
+    w = r.standard_normal((32, 64), np.float32) * 0.1
+    a = r.standard_normal((8, 64), np.float32) * 0.1
+    b = r.standard_normal((32, 8), np.float32) * 0.1
+    y = lora.lora_linear(t(x), t(w), None, t(a), t(b), 2.0)
+    return {"x": x, "weight": w, "lora_A": a, "lora_B": b, "scaling": np.float32(2.0)}, {"y": n(y)}
+
+
+def _processed(ctx):
+    return ctx.sft.load_processed_dataset(ROOT / ctx.cfg.family.tokenizer, ROOT / ctx.cfg.data.dir,
+                                          "train", ctx.args)
+
+
+def _pad_rows(rows, width, fill=-1):
+    out = np.full((len(rows), width), fill, np.int64)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row[:width]
+    return out
+
+
+def probe_data_tokens(ctx):
+    rows = [ex["input_ids"] for ex in _processed(ctx)]
+    return {}, {"input_ids": _pad_rows(rows, ctx.args.cutoff_len + 1), "n": np.array(len(rows))}
+
+
+def probe_data_labels(ctx):
+    rows = [ex["labels"] for ex in _processed(ctx)]
+    return {}, {"labels": _pad_rows(rows, ctx.args.cutoff_len + 1, fill=-7)}
+
+
+def probe_collate(ctx):
+    collator = importlib.import_module("torch_sources.training.collator")
+    ds = _processed(ctx)
+    batch = ctx.sft.make_collator(ctx.args)(ds[:4])
+    return {}, {k: n(batch[k]).astype(np.int64) for k in ("input_ids", "attention_mask", "labels")}
+
+
+# ---- L2 / L3 -----------------------------------------------------------------------------------
+
+def probe_decoder_layer(ctx):
+    r, c, f = rng_for("decoder_layer"), ctx.config, ctx.family
+    hidden = r.standard_normal((2, 7, c.hidden_size), np.float32)
+    am = np.array([[1] * 7, [1] * 5 + [0] * 2], np.int32)
+    pos = np.broadcast_to(np.arange(7, dtype=np.int32), (2, 7)).copy()
+    cos, sin = f.rope_cos_sin(f.rope_inv_freq(c), t(pos))
+    out = ctx.model.model.layers[0](t(hidden), f.causal_mask(t(am)), cos, sin)
+    return {"hidden": hidden, "attention_mask": am, "position_ids": pos}, {"out": n(out)}
+
+
+LOGIT_SHAPES = {"logits_b1_t7": (1, 7, [7]), "logits_b2_t16_pad": (2, 16, [16, 11]),
+                "logits_b3_t33_pad": (3, 33, [33, 20, 5])}
+
+
+def _logits_case(ctx, name):
+    b, T, lens = LOGIT_SHAPES[name]
+    ids = rng_for(name).integers(0, ctx.config.vocab_size, (b, T)).astype(np.int32)
+    am = (np.arange(T)[None] < np.array(lens)[:, None]).astype(np.int32)
+    return ids, am
+
+
+def _logits_probe(name):
+    def probe(ctx):
+        ids, am = _logits_case(ctx, name)
+        return {"input_ids": ids, "attention_mask": am}, {"logits": n(ctx.model(t(ids).long(), t(am)))}
+    return probe
+
+
+def probe_next_token_dist(ctx):
+    ids, am = _logits_case(ctx, "logits_b3_t33_pad")
+    return {"input_ids": ids, "attention_mask": am}, {"logits": n(ctx.model(t(ids).long(), t(am)))}
+
+
+PROBES = {
+    "layout": probe_layout, "param_tree": probe_param_tree, "lora_trainable": probe_lora_trainable,
+    "rms_norm": probe_rms_norm, "rope": probe_rope, "mlp": probe_mlp, "attention_core": probe_attention_core,
+    "lora_linear": probe_lora_linear, "data_tokens": probe_data_tokens, "data_labels": probe_data_labels,
+    "collate": probe_collate, "decoder_layer": probe_decoder_layer,
+    **{name: _logits_probe(name) for name in LOGIT_SHAPES}, "next_token_dist": probe_next_token_dist,
+}

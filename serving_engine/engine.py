@@ -1,0 +1,109 @@
+"""The serving engine loop (shaped like vllm/v1/engine/core.py): step = schedule -> execute_model ->
+update_from_output. Twin of torch_sources/serving/engine.py; requests are token ids in, token ids out.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from conversion.safetensors_io import load_config
+from serving_engine.config import EngineConfig, SamplingParams
+from serving_engine.model_runner import ModelRunner
+from serving_engine.request import Request
+from serving_engine.scheduler import Scheduler
+
+__all__ = ["RequestOutput", "LLMEngine", "eos_token_ids"]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)  # of each output token under the raw logits
+    finished: bool = False
+
+
+def eos_token_ids(model_dir) -> tuple[int, ...]:
+    """EOS ids of the checkpoint: generation_config.json's, else config.json's (an int or a list)."""
+    eos = None
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = load_config(model_dir).get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+class LLMEngine:
+    def __init__(self, model_dir, engine_config: EngineConfig = EngineConfig(), **runner_kwargs):
+        """runner_kwargs go to ModelRunner (attn_impl, token_buckets)."""
+        self.config = engine_config
+        self.runner = ModelRunner(model_dir, engine_config, **runner_kwargs)
+        self.scheduler = Scheduler(engine_config)
+        self.eos_token_ids = eos_token_ids(model_dir)
+        self._outputs: dict[str, RequestOutput] = {}  # unfinished requests
+        self._requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.num_preemptions = 0
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                    sampling_params: SamplingParams | None = None) -> None:
+        params = sampling_params or SamplingParams()
+        # Request holds one EOS id; a checkpoint's further EOS ids (Llama 3: <|eot_id|>) stop it as stop tokens.
+        eos, extra = (self.eos_token_ids[0], self.eos_token_ids[1:]) if self.eos_token_ids else (None, ())
+        if extra and not params.ignore_eos:
+            params = replace(params, stop_token_ids=params.stop_token_ids + tuple(extra))
+        request = Request(str(request_id), list(prompt_token_ids), params, eos_token_id=eos)
+        self.scheduler.add_request(request)
+        self._requests[request.request_id] = request
+        self._outputs[request.request_id] = RequestOutput(request.request_id, list(request.prompt_token_ids), [])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """One schedule -> forward -> sample -> update round -> a snapshot of every request that got a token."""
+        scheduler_output = self.scheduler.schedule()
+        sampled = self.runner.execute_model(scheduler_output, self.scheduler.requests)
+        logprobs = self.runner.sampled_logprobs
+        finished = {r.request_id for r in self.scheduler.update_from_output(scheduler_output, sampled)}
+        self.num_steps += 1
+        self.num_preemptions += len(scheduler_output.preempted_req_ids)
+        results = []
+        for rid in scheduler_output.scheduled_req_ids:
+            out, request = self._outputs.get(rid), self._requests.get(rid)
+            if out is None or len(request.output_token_ids) == len(out.output_token_ids):
+                continue  # mid-prefill, or aborted: no new token
+            out.output_token_ids.append(request.output_token_ids[-1])
+            out.logprobs.append(logprobs[rid])
+            out.finished = rid in finished
+            results.append(replace(out, output_token_ids=list(out.output_token_ids), logprobs=list(out.logprobs)))
+            if out.finished:
+                del self._outputs[rid], self._requests[rid]
+        return results
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts (token ids; request ids "0", "1", ... in order) to completion -> outputs in prompt order."""
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        ids = [str(i) for i in range(len(prompts))]
+        for rid, prompt, params in zip(ids, prompts, sampling_params):
+            self.add_request(rid, prompt, params)
+        done: dict[str, RequestOutput] = {}
+        while self.scheduler.has_unfinished_requests():
+            done.update((o.request_id, o) for o in self.step() if o.finished)
+        return [done[rid] for rid in ids]
+
+    def stats(self) -> dict[str, int]:
+        kv = self.scheduler.kv_cache_manager
+        return dict(num_steps=self.num_steps, num_prefix_hit_blocks=kv.num_prefix_hit_blocks,
+                    num_preemptions=self.num_preemptions, num_free_blocks=kv.num_free_blocks,
+                    num_blocks=self.config.num_blocks, num_compilations=self.runner.num_compilations)

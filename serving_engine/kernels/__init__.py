@@ -1,0 +1,20 @@
+"""Attention kernels of the JAX serving engine: a Pallas ragged paged-attention kernel beside
+its plain-jnp reference, and the paged KV-cache write."""
+
+from serving_engine.kernels.ragged_paged_attention import (
+    BlockSizes,
+    kernel_supports,
+    paged_attention,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
+from serving_engine.kernels.write_kv import write_to_kv_cache
+
+__all__ = [
+    "BlockSizes",
+    "kernel_supports",
+    "paged_attention",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "write_to_kv_cache",
+]

@@ -1,0 +1,150 @@
+"""Device side of one engine step: twin of torch_sources/serving/model_runner.py, as ONE jitted function.
+
+execute_model: SchedulerOutput -> input_batch.BatchMetadata (plain lists) -> numpy -> `step`, jitted:
+forward_paged over the ragged batch -> hidden of each request's last scheduled token -> logits -> Sampler.
+Static shapes keep the number of compilations small: the flat token axis is padded to a bucket
+(make_token_buckets: 16, 32, 64, ...), the per-sequence axis to max_num_seqs (1 in core mode), the block
+table to max_blocks_per_seq. The KV cache is an argument and a result of `step`, donated, so XLA updates
+it in place (tpu-inference's `donate_argnums` on kv_caches); the runner keeps only the returned value.
+Per step the host reads back one thing: the sampled ids with their logprobs, in one transfer. Rows whose
+token is discarded (a partial prefill chunk, a padding row) are sampled greedily and ignored.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+
+from serving_engine import models
+from serving_engine.config import EngineConfig
+from serving_engine.input_batch import PAD_SLOT_ID, BatchMetadata, build_batch_metadata, make_token_buckets, \
+    pick_bucket
+from serving_engine.paged_attention import AttentionMetadata, allocate_kv_cache, layer_kv_shapes
+from serving_engine.request import Request
+from serving_engine.sampler import Sampler, SamplingMetadata
+from serving_engine.scheduler import SchedulerOutput
+
+__all__ = ["ModelRunner", "attention_metadata"]
+
+
+def _i32(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.int32)
+
+
+def attention_metadata(batch: BatchMetadata, impl: str = "auto") -> AttentionMetadata:
+    """Host arrays (numpy) of one step; jit moves them to the device with the call."""
+    return AttentionMetadata(slot_mapping=_i32(batch.slot_mapping), kv_lens=_i32(batch.seq_lens),
+                             page_indices=_i32(batch.block_tables), cu_q_lens=_i32(batch.query_start_loc),
+                             num_seqs=_i32([batch.num_seqs]), impl=impl)
+
+
+class ModelRunner:
+    def __init__(self, model_dir, engine_config: EngineConfig, *, attn_impl: str = "auto",
+                 token_buckets: Sequence[int] | None = None):
+        # An entry point: fp32 parity needs true fp32 matmuls (GPUs default to TF32 otherwise).
+        jax.config.update("jax_default_matmul_precision", "highest")
+        cfg = self.engine_config = engine_config
+        self.family = models.family(model_dir)
+        self.model_config, self.model = self.family.load_model(model_dir)
+        self.vocab_size = self.model_config.vocab_size
+        self.kv_cache = allocate_kv_cache(self.model_config, engine_config)
+        self.sampler = Sampler()
+        self.attn_impl = attn_impl
+        self.max_num_seqs = cfg.max_running
+        self.token_buckets = list(token_buckets or make_token_buckets(cfg.max_num_batched_tokens))
+        # prefill_logits / teacher_forced_decode run one whole prompt, which may exceed a chunked budget.
+        self._check_buckets = make_token_buckets(max(cfg.max_num_batched_tokens, cfg.max_model_len))
+        self.sampled_logprobs: dict[str, float] = {}  # logprob of each token the last execute_model sampled
+        self.num_compilations = 0  # traces of the jitted functions (each trace is one XLA compilation)
+        self.buckets_used: set[int] = set()  # token buckets execute_model has run
+        self._step = jax.jit(self._step_fn, donate_argnums=(1,))
+        self._forward_logits = jax.jit(self._forward_logits_fn, donate_argnums=(1,))
+
+    # ---- jitted bodies (Python here runs once per trace) ---------------------------------------------------
+    def _step_fn(self, model, kv_cache, input_ids, positions, attn_meta, logits_indices, sampling):
+        """-> (sampled ids i32[S], their logprobs f32[S], kv_cache). input_ids/positions i32[T_bucket],
+        logits_indices i32[S] (S = max_num_seqs)."""
+        self.num_compilations += 1
+        hidden, kv_cache = self.family.forward_paged(model, input_ids, positions, kv_cache, attn_meta)
+        logits = self.family.compute_logits(model, hidden[logits_indices])  # f32[S,V]
+        ids, logprobs = self.sampler(logits, sampling)
+        return ids, logprobs, kv_cache
+
+    def _forward_logits_fn(self, model, kv_cache, input_ids, positions, attn_meta):
+        """-> (logits f32[T_bucket,V] at every token, kv_cache)."""
+        self.num_compilations += 1
+        hidden, kv_cache = self.family.forward_paged(model, input_ids, positions, kv_cache, attn_meta)
+        return self.family.compute_logits(model, hidden), kv_cache
+
+    # ---- engine step ---------------------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, int]:
+        """Run one scheduled step -> {request_id: sampled token} for the requests whose prompt is complete
+        after this step (will_sample); their logprobs land in self.sampled_logprobs."""
+        cfg, out = self.engine_config, scheduler_output
+        self.sampled_logprobs = {}
+        if out.num_seqs == 0:
+            return {}
+        batch = build_batch_metadata(out, requests, cfg.block_size, self.max_num_seqs, cfg.max_blocks_per_seq,
+                                     self.token_buckets)
+        self.buckets_used.add(batch.padded_num_tokens)
+        sampling = SamplingMetadata.from_requests([requests[r] for r in batch.req_ids], self.vocab_size,
+                                                  num_rows=self.max_num_seqs, sample_rows=out.will_sample)
+        ids, logprobs, self.kv_cache = self._step(
+            self.model, self.kv_cache, _i32(batch.input_ids), _i32(batch.positions),
+            attention_metadata(batch, self.attn_impl), _i32(batch.logits_indices), sampling)
+        ids, logprobs = jax.device_get((ids, logprobs))  # the step's one device -> host transfer
+        rows = [i for i, sample in enumerate(out.will_sample) if sample]
+        rids = [batch.req_ids[i] for i in rows]
+        self.sampled_logprobs = {r: float(logprobs[i]) for r, i in zip(rids, rows)}
+        return {r: int(ids[i]) for r, i in zip(rids, rows)}
+
+    # ---- standalone checks (own block table over the runner's cache; no scheduler) --------------------------
+    def _single_sequence_batch(self, token_ids: Sequence[int], start: int) -> BatchMetadata:
+        # Tokens start..start+len of one sequence whose pages are blocks 0, 1, 2, ... of the cache, padded to a
+        # token bucket; one sequence row, a block table max_blocks_per_seq wide.
+        cfg = self.engine_config
+        S, n, T = cfg.block_size, start + len(token_ids), len(token_ids)
+        num_pages = -(-n // S)
+        if num_pages > cfg.num_blocks or num_pages > cfg.max_blocks_per_seq:
+            raise ValueError(f"{n} tokens need {num_pages} blocks, the cache has {cfg.num_blocks} "
+                             f"(max {cfg.max_blocks_per_seq} per sequence)")
+        padded = pick_bucket(T, self._check_buckets)
+        positions = list(range(start, n))
+        return BatchMetadata(req_ids=["0"], input_ids=list(token_ids) + [0] * (padded - T),
+                             positions=positions + [0] * (padded - T),
+                             slot_mapping=positions + [PAD_SLOT_ID] * (padded - T),
+                             block_tables=[list(range(num_pages)) + [0] * (cfg.max_blocks_per_seq - num_pages)],
+                             seq_lens=[n], query_start_loc=[0, T], logits_indices=[T - 1], num_seqs=1,
+                             num_tokens=T, padded_num_tokens=padded)
+
+    def _run_single(self, token_ids: Sequence[int], start: int):  # -> logits f32[len(token_ids),V]
+        batch = self._single_sequence_batch(token_ids, start)
+        logits, self.kv_cache = self._forward_logits(self.model, self.kv_cache, _i32(batch.input_ids),
+                                                     _i32(batch.positions), attention_metadata(batch, self.attn_impl))
+        return logits[: batch.num_tokens]
+
+    def prefill_logits(self, token_ids: Sequence[int]):
+        """Logits f32[T,V] at every prompt position, from one prefill through the paged path."""
+        return self._run_single(token_ids, 0)
+
+    def teacher_forced_decode(self, prompt: Sequence[int], continuation: Sequence[int]):
+        """Prefill `prompt`, then decode `continuation` one token per step (teacher forcing) ->
+        (f32[N,V]: logits of decode step j, fed continuation[j] at position len(prompt) + j,
+         cache snapshot {"layers.<i>.k" / ".v": f32[len(prompt)+N, K, H]} of every layer that owns a cache,
+         tokens in logical order)."""
+        self._run_single(prompt, 0)
+        logits = [self._run_single([token], len(prompt) + j)[0] for j, token in enumerate(continuation)]
+        return np.stack(jax.device_get(logits)), self.cache_snapshot(len(prompt) + len(continuation))
+
+    def cache_snapshot(self, num_tokens: int, block_ids: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+        """K/V of the first num_tokens tokens of the sequence whose block table is block_ids (default 0, 1, ...)."""
+        S = self.engine_config.block_size
+        pages = np.asarray(list(block_ids) if block_ids is not None else range(-(-num_tokens // S)), np.int32)
+        out = {}
+        for i, shape in enumerate(layer_kv_shapes(self.model_config)):
+            if shape is None:
+                continue
+            out[f"layers.{i}.k"] = np.asarray(self.kv_cache.k[i][pages]).reshape(-1, *shape)[:num_tokens].copy()
+            out[f"layers.{i}.v"] = np.asarray(self.kv_cache.v[i][pages]).reshape(-1, *shape)[:num_tokens].copy()
+        return out

@@ -1,0 +1,30 @@
+"""Serving-side model families: each module runs its jax_oracles model over the paged KV cache.
+
+Twin of torch_sources/serving/models/__init__.py. `load_model(model_dir)` dispatches on config.json's
+model_type; `family(model_dir)` gives the module (forward_paged, decoder_layer_paged, compute_logits) the
+runner calls. A family's "model" is a PagedModel: its config (static) and Linen params as one pytree.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+from conversion.safetensors_io import load_config
+from serving_engine.models import gemma4, llama3
+from serving_engine.models.common import PagedModel
+
+__all__ = ["FAMILIES", "PagedModel", "family", "load_model"]
+
+# config.json model_type -> serving module
+FAMILIES: dict[str, ModuleType] = {"llama": llama3, "gemma4_text": gemma4}
+
+
+def family(model_dir) -> ModuleType:
+    model_type = load_config(model_dir).get("model_type")
+    if model_type not in FAMILIES:
+        raise ValueError(f"{model_dir}: model_type {model_type!r} is not served (known: {sorted(FAMILIES)})")
+    return FAMILIES[model_type]
+
+
+def load_model(model_dir):
+    """-> (config, PagedModel) of the family named by config.json's model_type."""
+    return family(model_dir).load_model(model_dir)

@@ -1,0 +1,78 @@
+"""Request state of the paged-attention serving engine (host side, plain Python; shaped like vllm/v1/request.py).
+
+This is the JAX engine's own copy of torch_sources/serving/request.py: an oracle must stand alone, so the
+mirror is intended. Keep the code identical to the original (tests/test_serving_bookkeeping.py checks it).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .config import SamplingParams
+
+__all__ = ["RequestStatus", "Request"]
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished (vLLM orders the enum the same way).
+    FINISHED_STOPPED = 3  # eos or a stop token
+    FINISHED_LENGTH_CAPPED = 4  # max_tokens or max_model_len
+    FINISHED_ABORTED = 5
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status >= RequestStatus.FINISHED_STOPPED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> str | None:
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(status)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_id: int | None = None
+    # Multimodal placeholders (offset, length, content_hash): the hash enters the prefix-cache key of every
+    # block the placeholder overlaps, so two different images behind the same pad tokens never share KV.
+    mm_placeholders: tuple[tuple[int, int, str], ...] = ()
+    arrival_index: int = -1  # set by Scheduler.add_request; breaks ties in FCFS order
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache (or is being written this step)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks so far
+    num_cached_tokens: int = -1  # prefix-cache hit at first scheduling (-1 until then)
+    num_preemptions: int = 0
+    stop_reason: int | None = None  # the stop token id that finished the request, if any
+
+    def __post_init__(self):
+        self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
+        self.mm_placeholders = tuple((int(o), int(n), str(h)) for o, n, h in self.mm_placeholders)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def append_output_token_ids(self, token_id: int) -> None:
+        self.output_token_ids.append(int(token_id))

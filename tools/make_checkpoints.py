@@ -1,0 +1,172 @@
+"""Write the tiny random-weight checkpoints under assets/checkpoints/<family>/.
+
+Each checkpoint has the real release's HF layout (config.json keys, tensor names and
+[out, in] layouts) with small dims. Weights come from numpy with a fixed seed, and every
+file is written deterministically (sorted json keys, tensors in sorted-name order), so
+`python tools/make_checkpoints.py` reproduces the committed assets byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+__all__ = ["BUILDERS", "make_llama3", "write_checkpoint", "write_json", "shard_checkpoint", "main"]
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSETS = ROOT / "assets" / "checkpoints"
+SAFETENSORS_METADATA = {"format": "pt"}  # what HF save_pretrained writes
+
+
+# ---- shared helpers -------------------------------------------------------------------------
+
+def write_json(path: Path, obj) -> None:
+    """Deterministic json: sorted keys, 2-space indent, trailing newline."""
+    Path(path).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def save_tensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    # Sorted insertion order so the header, and so the bytes, never depend on dict order.
+    ordered = {name: np.ascontiguousarray(tensors[name]) for name in sorted(tensors)}
+    save_file(ordered, str(path), metadata=SAFETENSORS_METADATA)
+
+
+def write_checkpoint(out_dir, config: dict, tensors: dict[str, np.ndarray],
+                     generation_config: dict | None = None) -> Path:
+    """Write config.json, generation_config.json (if given) and model.safetensors into out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "config.json", config)
+    if generation_config is not None:
+        write_json(out / "generation_config.json", generation_config)
+    save_tensors(out / "model.safetensors", tensors)
+    return out
+
+
+def normal(rng: np.random.Generator, shape, std: float) -> np.ndarray:
+    return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+
+
+def norm_weight(rng: np.random.Generator, dim: int) -> np.ndarray:
+    # 1 + small noise: an RMSNorm that drops or misplaces its weight (or uses 1+w) shows up.
+    return (np.float32(1.0) + normal(rng, (dim,), 0.1)).astype(np.float32)
+
+
+# ---- llama3 ---------------------------------------------------------------------------------
+
+LLAMA3_SEED = 3
+LLAMA3_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 400,  # <|begin_of_text|>
+    "eos_token_id": [401, 404],  # <|end_of_text|>, <|eot_id|>
+    "head_dim": 16,
+    "hidden_act": "silu",
+    "hidden_size": 64,
+    "initializer_range": 0.02,
+    "intermediate_size": 128,
+    "max_position_embeddings": 256,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-5,
+    # Llama 3.1 rope scaling; original_max_position_embeddings shrunk from 8192 to 64 so that
+    # with head_dim 16 the low, medium (blended) and high frequency branches are all exercised.
+    "rope_scaling": {
+        "factor": 8.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 64,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "use_cache": True,
+    "vocab_size": 512,
+}
+LLAMA3_GENERATION_CONFIG = {
+    "bos_token_id": 400,
+    "do_sample": True,
+    "eos_token_id": [401, 404],
+    "temperature": 0.6,
+    "top_p": 0.9,
+}
+
+
+def llama3_tensors(config: dict, seed: int) -> dict[str, np.ndarray]:
+    """Random HF-named Llama tensors ([out, in] layout), drawn in module order from one rng."""
+    rng = np.random.default_rng(seed)
+    std = config["initializer_range"]
+    d, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    hd = config["head_dim"]
+    q_out, kv_out = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    t = {"model.embed_tokens.weight": normal(rng, (vocab, d), std)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = norm_weight(rng, d)
+        for name, shape in [("q_proj", (q_out, d)), ("k_proj", (kv_out, d)),
+                            ("v_proj", (kv_out, d)), ("o_proj", (d, q_out))]:
+            t[p + f"self_attn.{name}.weight"] = normal(rng, shape, std)
+        t[p + "post_attention_layernorm.weight"] = norm_weight(rng, d)
+        for name, shape in [("gate_proj", (inter, d)), ("up_proj", (inter, d)), ("down_proj", (d, inter))]:
+            t[p + f"mlp.{name}.weight"] = normal(rng, shape, std)
+    t["model.norm.weight"] = norm_weight(rng, d)
+    if not config["tie_word_embeddings"]:
+        t["lm_head.weight"] = normal(rng, (vocab, d), std)
+    return t
+
+
+def make_llama3(out_dir) -> Path:
+    """Tiny Llama 3.1-format checkpoint (vocab 512, hidden 64, 2 layers, GQA 4/2, head_dim 16)."""
+    tensors = llama3_tensors(LLAMA3_CONFIG, LLAMA3_SEED)
+    return write_checkpoint(out_dir, LLAMA3_CONFIG, tensors, LLAMA3_GENERATION_CONFIG)
+
+
+BUILDERS = {"llama3": make_llama3}
+
+
+# ---- sharding (real HF index format), used by tests -----------------------------------------
+
+def shard_checkpoint(src_dir, out_dir, max_tensors_per_shard: int) -> Path:
+    """Re-save src_dir/model.safetensors as model-0000k-of-0000n.safetensors + index json.
+
+    config.json and generation_config.json are copied alongside, so out_dir is a complete
+    sharded checkpoint, as `save_pretrained(max_shard_size=...)` would leave it.
+    """
+    src, out = Path(src_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(str(src / "model.safetensors"))
+    names = sorted(tensors)
+    groups = [names[i:i + max_tensors_per_shard] for i in range(0, len(names), max_tensors_per_shard)]
+    weight_map = {}
+    for k, group in enumerate(groups, start=1):
+        shard = f"model-{k:05d}-of-{len(groups):05d}.safetensors"
+        save_tensors(out / shard, {n: tensors[n] for n in group})
+        weight_map.update({n: shard for n in group})
+    total_size = int(sum(tensors[n].nbytes for n in names))
+    write_json(out / "model.safetensors.index.json",
+               {"metadata": {"total_size": total_size}, "weight_map": weight_map})
+    for extra in ("config.json", "generation_config.json"):
+        if (src / extra).exists():
+            (out / extra).write_bytes((src / extra).read_bytes())
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    families = (argv if argv is not None else sys.argv[1:]) or sorted(BUILDERS)
+    for family in families:
+        out = BUILDERS[family](ASSETS / family)
+        print(f"wrote {out.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

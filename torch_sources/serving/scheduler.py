@@ -1,0 +1,224 @@
+"""Continuous-batching scheduler of the paged-attention serving engine (host side, plain Python).
+
+Shaped like vllm/v1/core/sched/scheduler.py: no prefill or decode phase, only num_computed_tokens per request.
+One engine step is schedule() -> the model runs the SchedulerOutput -> update_from_output(sampled tokens).
+Modes (EngineConfig.mode):
+- core: one request at a time; its whole prompt in one step, then one token per step.
+- ragged: up to max_num_seqs requests decode together; a waiting prompt is prefilled whole when it fits.
+- chunked: a token budget per step; running decodes first, then running partial prefills, then new requests,
+  whose prompts are cut into chunks to fill the remaining budget.
+When blocks run out, the latest running request is preempted by recompute: its blocks are freed, its
+num_computed_tokens is reset to 0 and it goes back to the front of the waiting queue.
+
+This is the original in torch_sources/serving/; serving_engine/scheduler.py is the JAX engine's own copy.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .config import EngineConfig
+from .kv_cache_manager import KVCacheManager
+from .request import Request, RequestStatus
+
+__all__ = ["SchedulerOutput", "Scheduler"]
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    # One entry per scheduled request, in schedule order (decodes, then partial prefills, then new requests).
+    scheduled_req_ids: list[str]
+    num_scheduled_tokens: list[int]  # query length of each request this step
+    num_computed_tokens: list[int]  # tokens already in the KV cache before this step (context length)
+    is_prefill: list[bool]  # False only for a decode: the single token fed is the last sampled one
+    will_sample: list[bool]  # False for a partial prefill chunk: the token sampled for it is discarded
+    new_block_ids: list[list[int]]  # blocks allocated to the request this step
+    block_tables: list[list[int]]  # the request's whole block table after this step's allocation
+    preempted_req_ids: list[str]  # preempted in this step (not scheduled)
+    finished_req_ids: list[str]  # finished since the previous schedule(); the runner can drop their state
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.scheduled_req_ids)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.kv_cache_manager = KVCacheManager(config.block_size, config.num_blocks, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one has the lowest priority
+        self.finished_req_ids: list[str] = []
+        self._num_arrivals = 0
+
+    def add_request(self, request: Request) -> None:
+        cfg, rid, n = self.config, request.request_id, request.num_prompt_tokens
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in the scheduler")
+        if request.status != RequestStatus.WAITING or request.output_token_ids or request.num_computed_tokens:
+            raise ValueError(f"request {rid!r} is not fresh (status {request.status.name})")
+        if n == 0:
+            raise ValueError(f"request {rid!r} has an empty prompt")
+        if n > cfg.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt of {n} tokens is longer than max_model_len={cfg.max_model_len}")
+        # Most KV the request can ever hold: the whole prompt, or everything but the last sampled token.
+        max_kv_tokens = max(n, min(n + request.sampling_params.max_tokens, cfg.max_model_len) - 1)
+        blocks_needed = -(-max_kv_tokens // cfg.block_size)
+        if blocks_needed > cfg.num_blocks:
+            # Alone in the cache it would still run out of blocks, so it would preempt itself forever.
+            raise ValueError(
+                f"request {rid!r} can never fit in the KV cache: up to {max_kv_tokens} tokens need {blocks_needed} "
+                f"blocks of {cfg.block_size}, the cache has num_blocks={cfg.num_blocks}")
+        request.arrival_index = self._num_arrivals
+        self._num_arrivals += 1
+        self.requests[rid] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        cfg, kv = self.config, self.kv_cache_manager
+        budget = cfg.max_num_batched_tokens
+        scheduled: dict[str, int] = {}  # request id -> tokens; insertion order is schedule order
+        new_blocks: dict[str, list[int]] = {}
+        preempted: list[Request] = []
+
+        # 1. Running requests: decodes first, then partial prefills, each in admission order.
+        for want_decode in (True, False):
+            for req in list(self.running):
+                if budget == 0:
+                    break
+                if req.status != RequestStatus.RUNNING or self._is_decode(req) != want_decode:
+                    continue  # preempted earlier in this step, or belongs to the other pass
+                num_new = self._cap(req.num_tokens - req.num_computed_tokens, budget)
+                while (blocks := kv.allocate_slots(req, num_new)) is None:
+                    victim = self.running.pop()
+                    budget += self._preempt(victim, scheduled, new_blocks)
+                    preempted.append(victim)
+                    if victim is req:
+                        break
+                if blocks is None:
+                    continue
+                scheduled[req.request_id] = num_new
+                new_blocks[req.request_id] = [b.block_id for b in blocks]
+                budget -= num_new
+
+        # 2. Waiting requests, FCFS; none after a preemption (the cache is full) and none past max_num_seqs.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_running:
+            req = self.waiting[0]
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit_tokens
+            if not cfg.chunked_prefill and num_new > budget:
+                break  # a whole prefill must fit the remaining budget; wait for the next step
+            num_new = self._cap(num_new, budget)
+            blocks = kv.allocate_slots(req, num_new, hit_blocks)
+            if blocks is None:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit_tokens
+            scheduled[req.request_id] = num_new
+            new_blocks[req.request_id] = [b.block_id for b in blocks]
+            budget -= num_new
+
+        # 3. Record the step, then advance num_computed_tokens at once (vLLM does the same): the tokens count as
+        # computed for the next schedule() even before update_from_output.
+        ids = list(scheduled)
+        out = SchedulerOutput(
+            scheduled_req_ids=ids,
+            num_scheduled_tokens=[scheduled[r] for r in ids],
+            num_computed_tokens=[self.requests[r].num_computed_tokens for r in ids],
+            is_prefill=[not self._is_decode(self.requests[r]) for r in ids],
+            will_sample=[self.requests[r].num_computed_tokens + scheduled[r] >= self.requests[r].num_tokens
+                         for r in ids],
+            new_block_ids=[new_blocks[r] for r in ids],
+            block_tables=[kv.get_block_ids(self.requests[r]) for r in ids],
+            preempted_req_ids=[r.request_id for r in preempted],
+            finished_req_ids=self.finished_req_ids,
+        )
+        for r in ids:
+            self.requests[r].num_computed_tokens += scheduled[r]
+        self.finished_req_ids = []
+        return out
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Append each scheduled request's sampled token and stop finished ones -> the requests finished now.
+        Partial prefill chunks need no entry in sampled_token_ids (any entry for them is ignored)."""
+        finished = []
+        for rid in scheduler_output.scheduled_req_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue  # aborted after schedule()
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # mid-prefill: the model's sample at a non-final position means nothing
+            if rid not in sampled_token_ids:
+                raise ValueError(f"no sampled token for request {rid!r}")
+            req.append_output_token_ids(sampled_token_ids[rid])
+            status = self._check_stop(req)
+            if status is not None:
+                self._finish(req, status)
+                finished.append(req)
+        return finished
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def _is_decode(req: Request) -> bool:
+        # Exactly the last sampled token is left to compute; a prompt or a recompute is a prefill.
+        return req.num_computed_tokens >= req.num_prompt_tokens and req.num_tokens - req.num_computed_tokens == 1
+
+    def _cap(self, num_new: int, budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        if threshold:
+            num_new = min(num_new, threshold)
+        return min(num_new, budget)
+
+    def _preempt(self, req: Request, scheduled: dict[str, int], new_blocks: dict[str, list[int]]) -> int:
+        """Recompute preemption; returns the tokens it had been scheduled this step (back to the budget)."""
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        new_blocks.pop(req.request_id, None)
+        return scheduled.pop(req.request_id, 0)
+
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        # Same order as vllm/v1/core/sched/utils.py::check_stop: length first, then eos, then stop tokens.
+        params, last = req.sampling_params, req.output_token_ids[-1]
+        if req.num_tokens >= self.config.max_model_len or req.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if not params.ignore_eos and req.eos_token_id is not None and last == req.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if last in params.stop_token_ids:
+            req.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        self.kv_cache_manager.free(req)
+        self.finished_req_ids.append(req.request_id)
+        del self.requests[req.request_id]

@@ -1,0 +1,43 @@
+"""SFT collator: LLaMA-Factory's SFTDataCollatorWith4DAttentionMask for plain text, no packing.
+
+It is HF DataCollatorForSeq2Seq with the tokenizer's right padding: every row is padded to
+the longest row, rounded up to a multiple of 8 (LF passes pad_to_multiple_of=8 when
+training); input_ids with pad_token_id, attention_mask with 0, labels with -100.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["SFTDataCollator", "pad_features"]
+
+
+def pad_features(features: list[dict], length: int, pad_token_id: int, label_pad_token_id: int) -> dict[str, np.ndarray]:
+    """Right-pad each feature's input_ids / attention_mask / labels to `length` -> int64 [B, length]."""
+    fill = {"input_ids": pad_token_id, "attention_mask": 0, "labels": label_pad_token_id}
+    out = {}
+    for key, value in fill.items():
+        rows = np.full((len(features), length), value, dtype=np.int64)
+        for i, f in enumerate(features):
+            rows[i, :len(f[key])] = f[key]
+        out[key] = rows
+    return out
+
+
+@dataclass(frozen=True)
+class SFTDataCollator:
+    pad_token_id: int
+    label_pad_token_id: int = -100
+    pad_to_multiple_of: int | None = 8
+    pad_to_length: int | None = None  # a fixed length instead (static shapes; the JAX twin uses it)
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        """[dict(input_ids, attention_mask, labels)] -> dict of int64 tensors [B, T]."""
+        length = self.pad_to_length or max(len(f["input_ids"]) for f in features)
+        if self.pad_to_length is None and self.pad_to_multiple_of:
+            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        batch = pad_features(features, length, self.pad_token_id, self.label_pad_token_id)
+        return {key: torch.from_numpy(value) for key, value in batch.items()}

@@ -1,0 +1,80 @@
+"""LLaMA-Factory's supervised (SFT) dataset processor (`data/processor/supervised.py`), plain Python.
+
+input_ids = <bos> X1 Y1 X2 Y2 ...; labels = -100 over every prompt X_i, the ids over every
+response Y_i (each assistant turn is trained; Y_i ends with <|eot_id|>). Turns are cut to
+cutoff_len with `infer_seqlen`, in order, until the budget is used up. No packing (LF packs
+only for stage pt).
+"""
+
+from __future__ import annotations
+
+from .template import alpaca_to_messages
+
+__all__ = ["IGNORE_INDEX", "infer_seqlen", "preprocess_supervised_example", "preprocess_supervised_dataset"]
+
+IGNORE_INDEX = -100
+
+
+def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple[int, int]:
+    """Truncated (source, target) lengths; each side keeps its left part."""
+    if target_len * 2 < cutoff_len:  # the target fits in half: only the source is cut
+        max_target_len = cutoff_len
+    elif source_len * 2 < cutoff_len:  # the source fits in half: the target gets the rest
+        max_target_len = cutoff_len - source_len
+    else:  # both are long: share the budget in proportion
+        max_target_len = int(cutoff_len * (target_len / (source_len + target_len)))
+    new_target_len = min(max_target_len, target_len)
+    new_source_len = min(max(cutoff_len - new_target_len, 0), source_len)
+    return new_source_len, new_target_len
+
+
+def preprocess_supervised_example(encoded_pairs: list[tuple[list[int], list[int]]], cutoff_len: int,
+                                  train_on_prompt: bool = False, mask_history: bool = False,
+                                  efficient_eos: bool = False, eos_token_id: int | None = None,
+                                  ) -> tuple[list[int], list[int]]:
+    """SupervisedDatasetProcessor._encode_data_example on template.encode_multiturn's pairs."""
+    input_ids, labels = [], []
+    total_length = 1 if efficient_eos else 0
+    if mask_history:
+        encoded_pairs = encoded_pairs[::-1]  # the last turns get the budget first
+    for turn_idx, (source_ids, target_ids) in enumerate(encoded_pairs):
+        if total_length >= cutoff_len:
+            break
+        source_len, target_len = infer_seqlen(len(source_ids), len(target_ids), cutoff_len - total_length)
+        source_ids, target_ids = source_ids[:source_len], target_ids[:target_len]
+        total_length += source_len + target_len
+        if train_on_prompt:
+            source_label = source_ids
+        elif efficient_eos and turn_idx != 0:  # the eos closing the previous turn sits in this source
+            source_label = [eos_token_id] + [IGNORE_INDEX] * (source_len - 1)
+        else:
+            source_label = [IGNORE_INDEX] * source_len
+        if mask_history and turn_idx != 0:  # train on the last turn only
+            target_label = [IGNORE_INDEX] * target_len
+        else:
+            target_label = target_ids
+        if mask_history:  # pairs were reversed: prepend
+            input_ids = source_ids + target_ids + input_ids
+            labels = source_label + target_label + labels
+        else:
+            input_ids += source_ids + target_ids
+            labels += source_label + target_label
+    if efficient_eos:
+        input_ids += [eos_token_id]
+        labels += [eos_token_id]
+    return input_ids, labels
+
+
+def preprocess_supervised_dataset(examples: list[dict], tokenizer, template, cutoff_len: int,
+                                  train_on_prompt: bool = False, mask_history: bool = False) -> list[dict]:
+    """Alpaca rows -> [dict(input_ids, attention_mask, labels)] (lists of ints, unpadded)."""
+    features = []
+    for example in examples:
+        messages = alpaca_to_messages(example)
+        if len(messages) % 2 != 0:  # LF drops rows without (odd prompt, one response)
+            continue
+        pairs = template.encode_multiturn(tokenizer, messages, example.get("system") or None)
+        input_ids, labels = preprocess_supervised_example(
+            pairs, cutoff_len, train_on_prompt, mask_history, template.efficient_eos, tokenizer.eos_token_id)
+        features.append({"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels})
+    return features

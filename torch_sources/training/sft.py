@@ -1,0 +1,212 @@
+"""LoRA SFT of Llama 3 the way LLaMA-Factory runs it (stage sft, finetuning_type lora), in eager PyTorch.
+
+raw alpaca json -> llama3 template -> supervised processor (cutoff_len) -> collator (right
+padding, multiple of 8) -> frozen base + LoRA on every projection -> HF Trainer loop:
+gradient accumulation over GA micro-batches, each micro-batch loss = summed CE / labelled
+tokens of the whole accumulation step (so the step loss is the token mean), grads summed,
+clipped to max_grad_norm, AdamW step, cosine schedule step.
+
+Data order is framework-independent: epoch e visits the train set in
+np.random.default_rng(seed + e).permutation order, B rows per micro-batch, GA micro-batches
+per optimizer step (the epoch's last step may hold fewer, as in HF).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from torch_sources.models.llama3 import LlamaForCausalLM
+
+from .collator import SFTDataCollator
+from .lora import PEFT_PREFIX, LoraConfig, inject_lora, load_lora_state_dict, lora_state_dict
+from .loss import causal_lm_loss, count_label_tokens
+from .optimizer import clip_grad_norm, create_optimizer
+from .processor import preprocess_supervised_dataset
+from .template import get_template, load_tokenizer
+
+__all__ = ["TrainArgs", "SFTResult", "lora_config", "load_processed_dataset", "make_collator", "step_example_indices",
+           "num_training_steps", "load_model", "sft_step_loss_and_grads", "train_steps", "evaluate_loss", "train_sft"]
+
+
+@dataclass(frozen=True)
+class TrainArgs:
+    """HF TrainingArguments / LF data and finetuning argument names."""
+
+    learning_rate: float = 5e-3
+    num_train_epochs: int = 4
+    per_device_train_batch_size: int = 4
+    per_device_eval_batch_size: int = 4
+    gradient_accumulation_steps: int = 2
+    lr_scheduler_type: str = "cosine"
+    warmup_ratio: float = 0.1
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    cutoff_len: int = 64
+    template: str = "llama3"
+    seed: int = 0
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+
+    def __post_init__(self):
+        assert self.lr_scheduler_type == "cosine", self.lr_scheduler_type
+
+
+@dataclass(frozen=True)
+class SFTResult:
+    step_losses: list[float]
+    eval_loss_before: float
+    eval_loss_after: float
+    lora_state_dict: dict[str, np.ndarray]
+    wall_clock_s: float
+
+
+def lora_config(args: TrainArgs) -> LoraConfig:
+    return LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout)
+
+
+def _fixed_tokenizer(tokenizer_dir, args: TrainArgs):
+    template = get_template(args.template)
+    return template, template.fix_special_tokens(load_tokenizer(tokenizer_dir))
+
+
+def load_processed_dataset(tokenizer_dir, data_dir, split: str, args: TrainArgs) -> list[dict]:
+    """data_dir/{split}.json (alpaca rows) through the template and the supervised processor."""
+    template, tokenizer = _fixed_tokenizer(tokenizer_dir, args)
+    rows = json.loads((Path(data_dir) / f"{split}.json").read_text())
+    return preprocess_supervised_dataset(rows, tokenizer, template, args.cutoff_len)
+
+
+def make_collator(args: TrainArgs, tokenizer_dir=None, pad_to_length: int | None = None) -> SFTDataCollator:
+    """The training collator; pad id = the template-fixed tokenizer's pad (LF: eos), 0 without a
+    tokenizer (pads are masked and unlabelled, so the id never changes a loss)."""
+    pad_token_id = 0 if tokenizer_dir is None else _fixed_tokenizer(tokenizer_dir, args)[1].pad_token_id
+    return SFTDataCollator(pad_token_id=pad_token_id, pad_to_length=pad_to_length)
+
+
+def step_example_indices(num_examples: int, args: TrainArgs, epoch: int) -> list[list[np.ndarray]]:
+    """Example indices of every micro-batch of every optimizer step of one epoch."""
+    order = np.random.default_rng(args.seed + epoch).permutation(num_examples)
+    B, GA = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    micro = [order[s:s + B] for s in range(0, num_examples, B)]
+    return [micro[s:s + GA] for s in range(0, len(micro), GA)]
+
+
+def num_training_steps(num_examples: int, args: TrainArgs) -> int:
+    micro = math.ceil(num_examples / args.per_device_train_batch_size)
+    return args.num_train_epochs * math.ceil(micro / args.gradient_accumulation_steps)
+
+
+def load_model(model_dir, lora: LoraConfig | None = None, seed: int = 0) -> LlamaForCausalLM:
+    """The checkpoint in eval mode (no dropout), with LoRA injected (base frozen) when configured."""
+    model = LlamaForCausalLM.from_pretrained(model_dir).eval()
+    if lora is not None:
+        inject_lora(model, lora, seed)
+    return model
+
+
+def _batch_tensors(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(torch.as_tensor(np.asarray(batch[k]), dtype=torch.long)
+                 for k in ("input_ids", "attention_mask", "labels"))
+
+
+def _accumulate_grads(model, micro_batches: list[dict]) -> float:
+    """Forward + backward of each micro-batch into .grad; returns the step loss (token mean)."""
+    num_items = sum(count_label_tokens(b["labels"]) for b in micro_batches)
+    total = 0.0
+    for batch in micro_batches:
+        input_ids, attention_mask, labels = _batch_tensors(batch)
+        loss = causal_lm_loss(model(input_ids, attention_mask), labels, num_items)
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def _lora_grads(model) -> dict[str, np.ndarray]:
+    return {PEFT_PREFIX + n: p.grad.detach().cpu().numpy().copy()
+            for n, p in model.named_parameters() if ".lora_" in n}
+
+
+def sft_step_loss_and_grads(model, lora_state_dict: dict, micro_batches: list[dict]) -> tuple[float, dict]:
+    """Loss and LoRA grads ({peft name: array}, torch layout) of one accumulation step, no update.
+
+    model: load_model(dir, lora_config(args)); its adapters are set to lora_state_dict first.
+    """
+    load_lora_state_dict(model, lora_state_dict)
+    model.zero_grad(set_to_none=True)
+    loss = _accumulate_grads(model, micro_batches)
+    grads = _lora_grads(model)
+    model.zero_grad(set_to_none=True)
+    return loss, grads
+
+
+def _train_step(model, optimizer, scheduler, micro_batches: list[dict], max_grad_norm: float) -> float:
+    loss = _accumulate_grads(model, micro_batches)
+    if max_grad_norm > 0:
+        clip_grad_norm((p for p in model.parameters() if p.requires_grad), max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def train_steps(model_dir, lora_init_state_dict: dict, step_batches: list[list[dict]],
+                args: TrainArgs) -> tuple[list[float], dict]:
+    """len(step_batches) optimizer steps on fixed collated batches (the schedule spans them all)."""
+    model = load_model(model_dir, lora_config(args), args.seed)
+    load_lora_state_dict(model, lora_init_state_dict)
+    optimizer, scheduler = create_optimizer(model.named_parameters(), args, len(step_batches))
+    losses = [_train_step(model, optimizer, scheduler, batches, args.max_grad_norm) for batches in step_batches]
+    return losses, lora_state_dict(model)
+
+
+@torch.no_grad()
+def _evaluate(model, features: list[dict], batch_size: int) -> float:
+    collate = SFTDataCollator(pad_token_id=0)  # pads are masked and unlabelled: their id is irrelevant
+    total, count = 0.0, 0
+    for s in range(0, len(features), batch_size):
+        input_ids, attention_mask, labels = _batch_tensors(collate(features[s:s + batch_size]))
+        total += causal_lm_loss(model(input_ids, attention_mask), labels, 1).item()  # summed CE
+        count += count_label_tokens(labels)
+    return total / count
+
+
+def evaluate_loss(model_dir, lora_state_dict: dict | None, eval_features: list[dict], args: TrainArgs) -> float:
+    """Token-mean CE over eval_features (processed rows), batched; the base model when lora is None."""
+    model = load_model(model_dir, lora_config(args) if lora_state_dict is not None else None, args.seed)
+    if lora_state_dict is not None:
+        load_lora_state_dict(model, lora_state_dict)
+    return _evaluate(model, eval_features, args.per_device_eval_batch_size)
+
+
+def train_sft(model_dir, tokenizer_dir, data_dir, args: TrainArgs = TrainArgs()) -> SFTResult:
+    """End to end from data_dir/{train,eval}.json (alpaca rows) to a trained adapter."""
+    start = time.perf_counter()
+    train = load_processed_dataset(tokenizer_dir, data_dir, "train", args)
+    held_out = load_processed_dataset(tokenizer_dir, data_dir, "eval", args)
+    collate = make_collator(args, tokenizer_dir)
+
+    model = load_model(model_dir)
+    eval_loss_before = _evaluate(model, held_out, args.per_device_eval_batch_size)
+    inject_lora(model, lora_config(args), args.seed)
+    optimizer, scheduler = create_optimizer(model.named_parameters(), args, num_training_steps(len(train), args))
+    model.train()
+    step_losses = []
+    for epoch in range(args.num_train_epochs):
+        for step in step_example_indices(len(train), args, epoch):
+            batches = [collate([train[i] for i in idx]) for idx in step]
+            step_losses.append(_train_step(model, optimizer, scheduler, batches, args.max_grad_norm))
+    model.eval()
+    eval_loss_after = _evaluate(model, held_out, args.per_device_eval_batch_size)
+    return SFTResult(step_losses, eval_loss_before, eval_loss_after, lora_state_dict(model),
+                     time.perf_counter() - start)
