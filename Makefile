@@ -36,8 +36,10 @@ test: venv            ## the CI suite: fast tests + the static independence cont
 test-full: venv       ## everything, slow tests included (every recorded task graded)
 	$(PYTEST) -m "not gpu"
 
-bench: venv
+bench: venv           ## torch vs JAX, side by side: SFT step time; serving decode tokens/s (both families)
 	$(PY) bench/bench_sft.py
+	$(PY) bench/bench_serving.py --family llama3
+	$(PY) bench/bench_serving.py --family gemma4
 
 assets: venv          ## regenerate the tiny checkpoints, tokenizer and datasets (byte-identical)
 	$(PY) tools/make_tokenizer.py

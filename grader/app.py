@@ -74,8 +74,12 @@ def _score_check(spec, rec, produced: dict | None, error: str | None, band, seco
 
 def grade(cfg, candidate: Path, references: Path, report_dir: Path, pass_bar: float = 0.99,
           budget_factor: float = 5.0, budget_min_s: float = 120.0, spec_timeout: float = 120.0,
-          numeric_timeout: float = 300.0, quiet: bool = False) -> dict:
-    """Grade `candidate` on the task whose composed config is `cfg` (recorder or grader config)."""
+          numeric_timeout: float = 300.0, quiet: bool = False, levels: tuple[str, ...] | None = None) -> dict:
+    """Grade `candidate` on the task whose composed config is `cfg` (recorder or grader config).
+
+    `levels` restricts the run to some levels (L0's torch_free gate always runs); the reward then
+    covers only the checks that ran.
+    """
     from recorder.app import task_class  # torch-free modules (config + hashes only)
     from recorder.provenance import stale_reasons
 
@@ -98,7 +102,8 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, pass_bar: fl
 
     budget = max(budget_min_s, budget_factor * float(ref.attrs["wall_clock_s"]))
     for group in LEVEL_GROUPS[task_class(cfg)]:
-        specs = [s for s in all_specs if s.level in group and s.key in ref.checks]
+        specs = [s for s in all_specs if s.level in group and s.key in ref.checks
+                 and (levels is None or s.level in levels)]
         if not specs:
             continue
         timeout = spec_timeout if group == ("L0",) else budget + 60 if group[0] in ("L5", "L6") else numeric_timeout

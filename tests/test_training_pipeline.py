@@ -230,9 +230,12 @@ def test_cosine_schedule_matches_hf():
     np.testing.assert_allclose(jx, expected, rtol=0, atol=1e-6)
 
 
-def test_adamw_cosine_clip_torch_vs_optax_5_steps():
+@pytest.mark.parametrize("flatten", [False, True], ids=["tree", "flat"])
+def test_adamw_cosine_clip_torch_vs_optax_5_steps(flatten):
     r = np.random.default_rng(7)
-    shapes = {"w": (6, 5), "v": (4,), "bias": (5,)}  # "bias" is excluded from weight decay on both sides
+    # the tree optimizer must keep "bias" out of weight decay, as torch's param groups do;
+    # the flat one (used on LoRA trees) decays every element, so it gets no bias
+    shapes = {"w": (6, 5), "v": (4,), ("u" if flatten else "bias"): (5,)}
     init = {k: r.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     # grad norms straddle max_grad_norm=1, so some steps clip and some do not
     grads = [{k: (r.standard_normal(s) * scale).astype(np.float32) for k, s in shapes.items()}
@@ -249,7 +252,7 @@ def test_adamw_cosine_clip_torch_vs_optax_5_steps():
         opt.step()
         sched.step()
 
-    tx = j_optimizer.create_optimizer(j_sft.TrainArgs(**kw), T)
+    tx = j_optimizer.create_optimizer(j_sft.TrainArgs(**kw), T, flatten=flatten)
     params_j = {k: jax.numpy.asarray(v) for k, v in init.items()}
     state = tx.init(params_j)
     for g in grads:

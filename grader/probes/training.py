@@ -7,14 +7,12 @@ that check's failure, never the run's.
 from __future__ import annotations
 
 import importlib
-import time
-import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grader.h5schema import read_arrays, write_arrays
+from grader.probes.common import run_probes
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -176,18 +174,76 @@ PROBES = {
 }
 
 
+def _unflatten_steps(inp):
+    """{"s0.m1.input_ids": ...} -> [[{input_ids, attention_mask, labels}, ...micro], ...steps]"""
+    steps: dict[int, dict[int, dict]] = {}
+    for key, value in inp.items():
+        if key.startswith("s"):
+            s_, m_, field = key.split(".", 2)
+            steps.setdefault(int(s_[1:]), {}).setdefault(int(m_[1:]), {})[field] = np.asarray(value)
+    return [[steps[i][j] for j in sorted(steps[i])] for i in sorted(steps)]
+
+
+def _lora_from_inputs(inp):
+    return {k[len("lora."):]: np.asarray(v) for k, v in inp.items() if k.startswith("lora.")}
+
+
+def _step0(ctx, inp):
+    if getattr(ctx, "step0", None) is None:
+        model = ctx.sft.load_model(ctx.assets["checkpoint"], ctx.sft.lora_config(ctx.args), ctx.args.seed)
+        ctx.step0 = ctx.sft.sft_step_loss_and_grads(model, _lora_from_inputs(inp), _unflatten_steps(inp)[0])
+    return ctx.step0
+
+
+def probe_loss_step0(ctx, inp):
+    return {"loss": np.float32(_step0(ctx, inp)[0])}
+
+
+def probe_lora_grads_step0(ctx, inp):
+    return {k: np.asarray(v, np.float32) for k, v in _step0(ctx, inp)[1].items()}
+
+
+def _fixed(ctx, inp):
+    if getattr(ctx, "fixed", None) is None:
+        ctx.fixed = ctx.sft.train_steps(ctx.assets["checkpoint"], _lora_from_inputs(inp), _unflatten_steps(inp),
+                                        ctx.args)
+    return ctx.fixed
+
+
+def probe_fixed_steps_loss(ctx, inp):
+    return {"losses": np.asarray(_fixed(ctx, inp)[0], np.float32)}
+
+
+def probe_fixed_steps_params(ctx, inp):
+    return {k: np.asarray(v, np.float32) for k, v in _fixed(ctx, inp)[1].items()}
+
+
+def _e2e(ctx):
+    """The candidate's own entry point, from the raw dataset (run once; L6 scores its adapter)."""
+    if getattr(ctx, "result", None) is None:
+        ctx.result = ctx.sft.train_sft(ctx.assets["checkpoint"], ctx.assets["tokenizer"], ctx.assets["data"],
+                                       ctx.args)
+    return ctx.result
+
+
+def probe_e2e_step_losses(ctx, inp):
+    return {"step_losses": np.asarray(_e2e(ctx).step_losses, np.float32)}
+
+
+def probe_e2e_adapter(ctx, inp):
+    return {k: np.asarray(v, np.float32) for k, v in _e2e(ctx).lora_state_dict.items()}
+
+
+def probe_heldout_loss(ctx, inp):
+    return {"loss": np.float32(_e2e(ctx).eval_loss_after)}
+
+
+PROBES.update({
+    "loss_step0": probe_loss_step0, "lora_grads_step0": probe_lora_grads_step0,
+    "fixed_steps_loss": probe_fixed_steps_loss, "fixed_steps_params": probe_fixed_steps_params,
+    "e2e_step_losses": probe_e2e_step_losses, "e2e_adapter": probe_e2e_adapter, "heldout_loss": probe_heldout_loss,
+})
+
+
 def main(inputs_path, outputs_path):
-    groups, attrs = read_arrays(inputs_path)
-    meta = attrs["meta"]
-    ctx = Ctx(meta)
-    outputs, errors, seconds = {}, {}, {}
-    for key in meta["checks"]:
-        name = key.split("/", 1)[1]
-        started = time.perf_counter()
-        try:
-            outputs[key] = PROBES[name](ctx, groups.get(key, {}))
-        except Exception as e:  # the candidate's crash is this check's score, with its reason
-            errors[key] = f"crash: {type(e).__name__}: {e}"
-            traceback.print_exc()
-        seconds[key] = time.perf_counter() - started
-    write_arrays(outputs_path, outputs, attrs={"errors": errors, "seconds": seconds})
+    run_probes(inputs_path, outputs_path, Ctx, PROBES)

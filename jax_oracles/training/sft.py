@@ -26,10 +26,10 @@ import optax
 from conversion.llama3 import load_config, load_params
 from jax_oracles.models.llama3 import LlamaForCausalLM
 
-from .collator import SFTDataCollator, pad_features
+from .collator import SFTDataCollator
 from .lora import LoraConfig, init_lora_tree, lora_state_dict, lora_tree_from_state_dict
 from .loss import IGNORE_INDEX, causal_lm_loss
-from .optimizer import create_optimizer
+from .optimizer import create_optimizer, decay_parameter_names
 from .processor import preprocess_supervised_dataset
 from .template import get_template, load_tokenizer
 
@@ -45,8 +45,8 @@ jax.config.update("jax_default_matmul_precision", "highest")  # fp32 parity with
 class TrainArgs:
     """HF TrainingArguments / LF data and finetuning argument names."""
 
-    learning_rate: float = 5e-3
-    num_train_epochs: int = 4
+    learning_rate: float = 5e-3  # LF's 1e-4 is for real models; the tiny one needs a bigger step
+    num_train_epochs: int = 3
     per_device_train_batch_size: int = 4
     per_device_eval_batch_size: int = 4
     gradient_accumulation_steps: int = 2
@@ -216,8 +216,16 @@ def sft_step_loss_and_grads(model: CausalLM, lora_state_dict: dict, micro_batche
     return float(loss), _peft_state_dict(grads)
 
 
+@functools.lru_cache(maxsize=None)
+def _lora_optimizer(args: TrainArgs, num_steps: int) -> optax.GradientTransformation:
+    """create_optimizer on the raveled adapters (cached: the same run shape reuses its compile)."""
+    return create_optimizer(args, num_steps, flatten=True)
+
+
 def _run_steps(model: CausalLM, lora, tx, steps, pad_token_id: int, shape) -> tuple[list[float], dict]:
     """Run the jitted step over an iterable of micro-batch lists; returns (losses, final lora tree)."""
+    if len(decay_parameter_names(lora)) != len(jax.tree.leaves(lora)):  # what flatten=True assumes
+        raise ValueError("the flat optimizer needs every trainable leaf to take weight decay")
     step_fn = _train_step_fn(model.module, tx)
     opt_state = tx.init(lora)
     losses = []
@@ -232,8 +240,8 @@ def train_steps(model_dir, lora_init_state_dict: dict, step_batches: list[list[d
                 args: TrainArgs) -> tuple[list[float], dict]:
     """len(step_batches) optimizer steps on fixed collated batches (the schedule spans them all)."""
     model = load_model(model_dir, lora_config(args))
-    tx = create_optimizer(args, len(step_batches))
     lora = lora_tree_from_state_dict(lora_init_state_dict)
+    tx = _lora_optimizer(args, len(step_batches))
     losses, lora = _run_steps(model, lora, tx, step_batches, 0, _step_shape(step_batches))
     return losses, lora_state_dict(lora)
 
@@ -277,7 +285,7 @@ def train_sft(model_dir, tokenizer_dir, data_dir, args: TrainArgs = TrainArgs())
     # instead of the lora-free model reuses the eval compile of the trained adapter.
     eval_batch = args.per_device_eval_batch_size
     eval_loss_before = _evaluate(model, lora, held_out, eval_batch, length)
-    tx = create_optimizer(args, num_training_steps(len(train), args))
+    tx = _lora_optimizer(args, num_training_steps(len(train), args))
     steps = (
         [collate([train[i] for i in idx]) for idx in step]
         for epoch in range(args.num_train_epochs)

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import torch
 
-from recorder.probes.training import ROOT, n, public_names, rng_for, t
+from recorder.probes.training import ROOT, checkpoint_numels, n, public_names, rng_for, t
 
 SERVING_MODULES = ("serving/config.py", "serving/request.py", "serving/block_pool.py",
                    "serving/kv_cache_manager.py", "serving/scheduler.py", "serving/input_batch.py",
@@ -74,7 +74,7 @@ def probe_engine_api(ctx):
 
 
 def probe_param_tree(ctx):
-    numels = sorted(p.numel() for p in ctx.runner.model.state_dict().values())
+    numels = checkpoint_numels(ctx.ckpt)
     return {}, {"numel_sorted": np.array(numels, np.int64), "total": np.array(sum(numels), np.int64)}
 
 

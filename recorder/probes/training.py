@@ -70,8 +70,14 @@ def probe_layout(ctx):
     return {"names": np.array(names)}, {"missing": np.array(0)}
 
 
+def checkpoint_numels(ckpt) -> list[int]:
+    """Element counts of every checkpoint tensor: a converted tree must use each exactly once."""
+    from torch_sources.models.loading import load_state_dict
+    return sorted(p.numel() for p in load_state_dict(ckpt).values())
+
+
 def probe_param_tree(ctx):
-    numels = sorted(p.numel() for p in ctx.model.state_dict().values())
+    numels = checkpoint_numels(ctx.ckpt)
     return {}, {"numel_sorted": np.array(numels, np.int64), "total": np.array(sum(numels), np.int64)}
 
 
@@ -203,3 +209,110 @@ PROBES = {
     "collate": probe_collate, "decoder_layer": probe_decoder_layer,
     **{name: _logits_probe(name) for name in LOGIT_SHAPES}, "next_token_dist": probe_next_token_dist,
 }
+
+
+# ---- L4 ----------------------------------------------------------------------------------------
+
+def _step_batches(ctx, steps: int):
+    """The first `steps` accumulation steps of epoch 0, collated exactly as the training run does."""
+    ds, collate = _processed(ctx), ctx.sft.make_collator(ctx.args, ROOT / ctx.cfg.family.tokenizer)
+    idx = ctx.sft.step_example_indices(len(ds), ctx.args, 0)[:steps]
+    return [[{k: n(v) if torch.is_tensor(v) else np.asarray(v) for k, v in collate([ds[i] for i in mb]).items()}
+             for mb in step] for step in idx]
+
+
+def _flatten_steps(steps):
+    return {f"s{i}.m{j}.{k}": np.asarray(v).astype(np.int32) for i, step in enumerate(steps)
+            for j, mb in enumerate(step) for k, v in mb.items() if k in ("input_ids", "attention_mask", "labels")}
+
+
+def _lora_init(ctx):
+    lora = importlib.import_module("torch_sources.training.lora")
+    model = ctx.sft.load_model(ctx.ckpt, ctx.sft.lora_config(ctx.args), ctx.args.seed)
+    return lora.lora_state_dict(model)
+
+
+def probe_loss_step0(ctx):
+    steps = _step_batches(ctx, 1)
+    init = _lora_init(ctx)
+    model = ctx.sft.load_model(ctx.ckpt, ctx.sft.lora_config(ctx.args), ctx.args.seed)
+    loss, grads = ctx.sft.sft_step_loss_and_grads(model, init, [
+        {k: torch.from_numpy(v) for k, v in mb.items()} for mb in steps[0]])
+    ctx.step0_grads = grads
+    inputs = {**_flatten_steps(steps), **{f"lora.{k}": v for k, v in init.items()}}
+    return inputs, {"loss": np.float32(loss)}
+
+
+def probe_lora_grads_step0(ctx):
+    inputs, _ = probe_loss_step0(ctx)
+    return inputs, {k: np.asarray(v, np.float32) for k, v in ctx.step0_grads.items()}
+
+
+def probe_fixed_steps(ctx):
+    steps = _step_batches(ctx, int(ctx.cfg.method.fixed_steps))
+    init = _lora_init(ctx)
+    losses, final = ctx.sft.train_steps(ctx.ckpt, init, [[{k: torch.from_numpy(v) for k, v in mb.items()}
+                                                          for mb in step] for step in steps], ctx.args)
+    ctx.fixed = (np.asarray(losses, np.float32), {k: np.asarray(v, np.float32) for k, v in final.items()})
+    return {**_flatten_steps(steps), **{f"lora.{k}": v for k, v in init.items()}}, ctx.fixed
+
+
+def probe_fixed_steps_loss(ctx):
+    inputs, (losses, _) = probe_fixed_steps(ctx)
+    return inputs, {"losses": losses}
+
+
+def probe_fixed_steps_params(ctx):
+    inputs, (_, final) = probe_fixed_steps(ctx)
+    return inputs, final
+
+
+# ---- L5 / L6 -----------------------------------------------------------------------------------
+
+def _train(ctx, seed):
+    from dataclasses import replace
+    return ctx.sft.train_sft(ctx.ckpt, ROOT / ctx.cfg.family.tokenizer, ROOT / ctx.cfg.data.dir,
+                             replace(ctx.args, seed=seed))
+
+
+def probe_e2e_step_losses(ctx):
+    ctx.result = _train(ctx, ctx.args.seed)
+    ctx.wall = ctx.result.wall_clock_s
+    return {"seed": np.int64(ctx.args.seed)}, {"step_losses": np.asarray(ctx.result.step_losses, np.float32)}
+
+
+def probe_e2e_adapter(ctx):
+    return {"seed": np.int64(ctx.args.seed)}, {k: np.asarray(v, np.float32)
+                                               for k, v in ctx.result.lora_state_dict.items()}
+
+
+def probe_heldout_loss(ctx):
+    losses = [ctx.result.eval_loss_after if s == ctx.args.seed else _train(ctx, s).eval_loss_after
+              for s in ctx.cfg.method.band_seeds]
+    ctx.band = (float(min(losses)), float(max(losses)))
+    return ({"seed": np.int64(ctx.args.seed)},
+            {"loss": np.float32(ctx.result.eval_loss_after), "loss_before": np.float32(ctx.result.eval_loss_before),
+             "band_losses": np.asarray(losses, np.float32)})
+
+
+PROBES.update({
+    "loss_step0": probe_loss_step0, "lora_grads_step0": probe_lora_grads_step0,
+    "fixed_steps_loss": probe_fixed_steps_loss, "fixed_steps_params": probe_fixed_steps_params,
+    "e2e_step_losses": probe_e2e_step_losses, "e2e_adapter": probe_e2e_adapter, "heldout_loss": probe_heldout_loss,
+})
+
+
+def record_task(cfg, dev, console):
+    """-> (records, L6 band, wall-clock of the end-to-end torch training run)."""
+    from recorder.probes import run_probes
+
+    spec, checks = checks_for("training")
+    ctx = Ctx(cfg)
+    records = run_probes([s for s in spec + checks if s.name != "torch_free"], PROBES, ctx, console)
+    # the candidate's L6 output is its held-out loss alone: the band travels in /L6/band
+    for r in records:
+        if r.name == "heldout_loss":
+            r.outputs = {"loss": r.outputs["loss"]}
+            r.attrs.update(loss_before=float(ctx.result.eval_loss_before),
+                           band_losses=[float(x) for x in ctx.band])
+    return records, ctx.band, ctx.wall
