@@ -6,6 +6,8 @@ on the tiny Llama 3 checkpoint; the full SFT run (slow).
 """
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -49,6 +51,30 @@ def _tokenizer(template_module):
     return template, template.fix_special_tokens(template_module.load_tokenizer(TOKENIZER))
 
 
+# ---- assets --------------------------------------------------------------------------------
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dataset_and_tokenizer_assets_are_reproducible():
+    datasets, tokenizers = _tool("make_datasets"), _tool("make_tokenizer")
+    train, held_out = datasets.make_sft()
+    for name, rows in (("train", train), ("eval", held_out)):
+        assert (DATA / f"{name}.json").read_text() == json.dumps(rows, indent=2, ensure_ascii=False) + "\n"
+    tok = tokenizers.build_tokenizer(tokenizers.corpus(DATA))
+    assert tok.to_str(pretty=True) == (TOKENIZER / "tokenizer.json").read_text()  # what Tokenizer.save writes
+    config = (TOKENIZER / "tokenizer_config.json").read_text()
+    assert config == json.dumps(tokenizers.tokenizer_config(), indent=2, sort_keys=True) + "\n"
+    specials = {t: tok.token_to_id(t) for t in tokenizers.SPECIAL_TOKENS[:5]}
+    assert specials == {"<|begin_of_text|>": 400, "<|end_of_text|>": 401, "<|start_header_id|>": 402,
+                        "<|end_header_id|>": 403, "<|eot_id|>": 404}
+    assert tok.get_vocab_size() <= 512  # the checkpoint's vocab
+
+
 # ---- template ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mod", TEMPLATES, ids=["torch", "jax"])
@@ -75,7 +101,7 @@ def test_template_matches_hf_chat_template_on_dataset():
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(str(TOKENIZER))
     template, tok = _tokenizer(t_template)
-    rows = t_sft.json.loads((DATA / "train.json").read_text())
+    rows = json.loads((DATA / "train.json").read_text())
     multi = [r for r in rows if r.get("history")]
     assert multi, "the dataset must exercise the multi-turn path"
     for row in rows[:8] + multi:
@@ -190,8 +216,7 @@ def test_data_order_is_seeded_permutation():
 # ---- loss, schedule, optimizer -------------------------------------------------------------
 
 def test_causal_lm_loss_matches_hf_and_jax():
-    transformers = pytest.importorskip("transformers")
-    from transformers.loss.loss_utils import ForCausalLMLoss
+    ForCausalLMLoss = pytest.importorskip("transformers.loss.loss_utils").ForCausalLMLoss
 
     r = np.random.default_rng(1)
     logits = r.standard_normal((2, 7, 11)).astype(np.float32) * 3
@@ -207,11 +232,10 @@ def test_causal_lm_loss_matches_hf_and_jax():
         jx = j_loss.causal_lm_loss(logits, labels.astype(np.int32), num_items)
         np.testing.assert_allclose(ours.item(), hf.item(), rtol=1e-6)
         np.testing.assert_allclose(float(jx), hf.item(), rtol=1e-6)
-    assert transformers is not None
 
 
 def test_cosine_schedule_matches_hf():
-    from transformers import get_cosine_schedule_with_warmup
+    get_cosine_schedule_with_warmup = pytest.importorskip("transformers").get_cosine_schedule_with_warmup
 
     T = 23
     W = t_optimizer.get_warmup_steps(T, 0.1)
@@ -297,10 +321,13 @@ def jax_model():
     return j_sft.load_model(MODEL, j_sft.lora_config(j_sft.TrainArgs()))
 
 
-def test_lora_init_bit_identical_and_trainable_set(torch_model, jax_model):
+def test_lora_init_bit_identical_and_trainable_set(jax_model):
+    torch_model = t_sft.load_model(MODEL, t_lora.LoraConfig(), seed=0)  # fresh: other tests reload adapters
     sd_t = t_lora.lora_state_dict(torch_model)
+    tree, names_j = j_lora.inject_lora(jax_model.params, j_lora.LoraConfig(), seed=0)
     sd_j = j_lora.lora_state_dict(j_lora.init_lora_tree(jax_model.params, j_lora.LoraConfig(), seed=0))
-    assert list(sd_t) == list(sd_j) and len(sd_t) == 2 * 7 * 2
+    assert list(sd_t) == list(sd_j) == names_j == list(j_lora.lora_state_dict(tree)) and len(sd_t) == 2 * 7 * 2
+    assert names_j == t_lora.inject_lora(t_sft.load_model(MODEL), t_lora.LoraConfig(), seed=0)
     assert next(iter(sd_t)) == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     for k in sd_t:
         assert sd_t[k].dtype == sd_j[k].dtype == np.float32
@@ -310,7 +337,11 @@ def test_lora_init_bit_identical_and_trainable_set(torch_model, jax_model):
     assert not np.any(sd_t["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"])
     trainable = {"base_model.model." + n for n, p in torch_model.named_parameters() if p.requires_grad}
     assert trainable == set(sd_t)
-    roundtrip = j_lora.lora_state_dict(j_lora.lora_tree_from_state_dict(sd_t))
+    roundtrip = j_lora.lora_state_dict(j_lora.load_lora_state_dict(tree, sd_t))
+    with pytest.raises(KeyError):
+        j_lora.load_lora_state_dict(tree, dict(list(sd_t.items())[1:]))
+    with pytest.raises(KeyError):
+        t_lora.load_lora_state_dict(torch_model, dict(list(sd_t.items())[1:]))
     assert list(roundtrip) == list(sd_t) and all(np.array_equal(roundtrip[k], sd_t[k]) for k in sd_t)
     other = t_lora.init_lora_weights([("m", 64, 32)], seed=1)
     assert not np.array_equal(other["m.lora_A.weight"], t_lora.init_lora_weights([("m", 64, 32)], seed=0)["m.lora_A.weight"])
@@ -384,7 +415,10 @@ def test_full_sft_run_lowers_heldout_loss_and_jax_matches():
     rj = j_sft.train_sft(MODEL, TOKENIZER, DATA, args_j)
     assert len(rt.step_losses) == len(rj.step_losses) == t_sft.num_training_steps(96, args_t)
     np.testing.assert_allclose(rj.eval_loss_before, rt.eval_loss_before, rtol=1e-5)
-    assert rt.eval_loss_after <= 0.8 * rt.eval_loss_before, (rt.eval_loss_before, rt.eval_loss_after)
+    assert rt.eval_loss_after <= 0.8 * rt.eval_loss_before, (
+        f"held-out loss {rt.eval_loss_before:.3f} -> {rt.eval_loss_after:.3f} is not 20% lower. With the lm_head "
+        f"and final norm frozen, the reachable CE floor is set by the lm_head scale: at std 0.02 on a 64-wide "
+        f"hidden state no adapter gets below ~5.0 (ln 512 = 6.24); std ~0.1 lets this run reach ~37%.")
     assert abs(rj.eval_loss_after - rt.eval_loss_after) / rt.eval_loss_after < 1e-3
     np.testing.assert_allclose(rj.step_losses, rt.step_losses, rtol=1e-3)
     held_out = t_sft.load_processed_dataset(TOKENIZER, DATA, "eval", args_t)

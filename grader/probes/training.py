@@ -142,7 +142,7 @@ def probe_data_labels(ctx, inp):
 
 
 def probe_collate(ctx, inp):
-    batch = ctx.sft.make_collator(ctx.args)(_processed(ctx)[:4])
+    batch = ctx.sft.make_collator(ctx.args, ctx.assets["tokenizer"])(_processed(ctx)[:4])
     return {k: np.asarray(batch[k]).astype(np.int64) for k in ("input_ids", "attention_mask", "labels")}
 
 

@@ -21,7 +21,8 @@ import numpy as np
 from flax import traverse_util
 
 __all__ = ["PEFT_PREFIX", "TARGET_ORDER", "LoraConfig", "lora_linear", "lora_target_specs", "init_lora_weights",
-           "LoraLinear", "init_lora_tree", "lora_tree_from_state_dict", "lora_state_dict"]
+           "LoraLinear", "inject_lora", "load_lora_state_dict", "lora_state_dict", "init_lora_tree",
+           "lora_tree_from_state_dict"]
 
 PEFT_PREFIX = "base_model.model."
 # Canonical order within a decoder layer (HF registration order): attention, then MLP.
@@ -95,9 +96,40 @@ class LoraLinear(nn.Module):
         return y
 
 
+def inject_lora(params: dict, config: LoraConfig, seed: int) -> tuple[dict, list[str]]:
+    """Functional twin of torch's inject_lora: (the "lora" collection, its PEFT names). The base
+    params need no freezing: only the "lora" collection is ever differentiated."""
+    weights = init_lora_weights(lora_target_specs(params, config), seed, config.r)
+    return lora_tree_from_state_dict(weights), list(weights)
+
+
+def load_lora_state_dict(lora_tree: dict, state_dict: dict) -> dict:
+    """A new "lora" collection from {peft name: array}; every adapter of lora_tree must be named, same shapes."""
+    current = lora_state_dict(lora_tree)
+    if current.keys() != state_dict.keys():
+        raise KeyError(f"adapter names differ: missing {sorted(current.keys() - state_dict.keys())}, "
+                       f"unexpected {sorted(state_dict.keys() - current.keys())}")
+    bad = {k: (np.shape(state_dict[k]), v.shape) for k, v in current.items() if np.shape(state_dict[k]) != v.shape}
+    if bad:
+        raise ValueError(f"adapter shape mismatch (got, expected): {bad}")
+    return lora_tree_from_state_dict(state_dict)
+
+
+def lora_state_dict(lora_tree: dict) -> dict[str, np.ndarray]:
+    """{peft name: f32 numpy, torch layout} in canonical order (layer, TARGET_ORDER, A then B)."""
+    order = {proj: i for i, (_, proj) in enumerate(TARGET_ORDER)}
+    flat = traverse_util.flatten_dict(lora_tree)
+    out = {}
+    for path in sorted(flat, key=lambda p: (_layer_index(p[-4]), order[p[-2]], p[-1])):
+        *root, layer, group, proj, leaf = path
+        name = f"{PEFT_PREFIX}{'.'.join(root)}.layers.{_layer_index(layer)}.{group}.{proj}.{leaf}.weight"
+        out[name] = np.array(flat[path]).T.copy()
+    return out
+
+
 def init_lora_tree(params: dict, config: LoraConfig, seed: int) -> dict:
     """The "lora" collection for params, from the same numpy draws as torch's inject_lora."""
-    return lora_tree_from_state_dict(init_lora_weights(lora_target_specs(params, config), seed, config.r))
+    return inject_lora(params, config, seed)[0]
 
 
 _PEFT_KEY = re.compile(rf"{re.escape(PEFT_PREFIX)}(.+)\.layers\.(\d+)\.(\w+)\.(\w+)\.(lora_[AB])\.weight")
@@ -113,15 +145,3 @@ def lora_tree_from_state_dict(state_dict: dict) -> dict:
         root, layer, group, proj, leaf = m.groups()
         flat[(*root.split("."), f"layers_{layer}", group, proj, leaf)] = jnp.asarray(np.asarray(w, np.float32).T)
     return traverse_util.unflatten_dict(flat)
-
-
-def lora_state_dict(lora_tree: dict) -> dict[str, np.ndarray]:
-    """{peft name: f32 numpy, torch layout} in canonical order (layer, TARGET_ORDER, A then B)."""
-    order = {proj: i for i, (_, proj) in enumerate(TARGET_ORDER)}
-    flat = traverse_util.flatten_dict(lora_tree)
-    out = {}
-    for path in sorted(flat, key=lambda p: (_layer_index(p[-4]), order[p[-2]], p[-1])):
-        *root, layer, group, proj, leaf = path
-        name = f"{PEFT_PREFIX}{'.'.join(root)}.layers.{_layer_index(layer)}.{group}.{proj}.{leaf}.weight"
-        out[name] = np.array(flat[path]).T.copy()
-    return out

@@ -19,12 +19,13 @@ def causal_lm_loss(logits, labels, num_items_in_batch=None):
     """logits f32[B,T,V], labels i32[B,T] -> f32 scalar."""
     logits = logits.astype(jnp.float32)
     shift_labels = jnp.pad(labels[:, 1:], ((0, 0), (0, 1)), constant_values=IGNORE_INDEX)  # i32[B,T]
-    valid = shift_labels != IGNORE_INDEX
     logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, jnp.where(valid, shift_labels, 0)[..., None], axis=-1)[..., 0]  # f32[B,T]
-    total = jnp.sum(jnp.where(valid, nll, 0.0))
+    # one_hot of -100 is a zero row, so ignored positions add exactly 0; a one-hot product (rather
+    # than take_along_axis) keeps the backward pass a dense multiply instead of a scatter
+    nll = -jnp.sum(logp * jax.nn.one_hot(shift_labels, logits.shape[-1], dtype=logp.dtype), axis=-1)  # f32[B,T]
+    total = jnp.sum(nll)
     if num_items_in_batch is None:
-        return total / jnp.sum(valid)
+        return total / jnp.sum(shift_labels != IGNORE_INDEX)
     return total / num_items_in_batch
 
 

@@ -51,18 +51,6 @@ def _decay_mask(params):
     return traverse_util.unflatten_dict({n: n in decay for n in flat}, sep="/")
 
 
-def clip_grad_norm(max_norm: float) -> optax.GradientTransformation:
-    """torch.nn.utils.clip_grad_norm_: g * min(1, max_norm / (||g||_2 + 1e-6))."""
-
-    def update_fn(updates, state, params=None):
-        del params
-        norm = optax.global_norm(updates)
-        coef = jnp.minimum(max_norm / (norm + 1e-6), 1.0)
-        return jax.tree.map(lambda g: g * coef.astype(g.dtype), updates), state
-
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
-
-
 def create_optimizer(args, num_training_steps: int, flatten: bool = False) -> optax.GradientTransformation:
     """clip (torch rule) then AdamW on the cosine schedule over num_training_steps.
 
@@ -76,3 +64,15 @@ def create_optimizer(args, num_training_steps: int, flatten: bool = False) -> op
                         weight_decay=args.weight_decay, mask=None if flatten else _decay_mask)
     tx = optax.chain(clip_grad_norm(args.max_grad_norm), adamw) if args.max_grad_norm > 0 else adamw
     return optax.flatten(tx) if flatten else tx
+
+
+def clip_grad_norm(max_norm: float) -> optax.GradientTransformation:
+    """torch.nn.utils.clip_grad_norm_: g * min(1, max_norm / (||g||_2 + 1e-6))."""
+
+    def update_fn(updates, state, params=None):
+        del params
+        norm = optax.global_norm(updates)
+        coef = jnp.minimum(max_norm / (norm + 1e-6), 1.0)
+        return jax.tree.map(lambda g: g * coef.astype(g.dtype), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)

@@ -34,7 +34,8 @@ from .processor import preprocess_supervised_dataset
 from .template import get_template, load_tokenizer
 
 __all__ = ["TrainArgs", "SFTResult", "lora_config", "load_processed_dataset", "make_collator", "step_example_indices",
-           "num_training_steps", "load_model", "sft_step_loss_and_grads", "train_steps", "evaluate_loss", "train_sft"]
+           "num_training_steps", "CausalLM", "load_model", "sft_step_loss_and_grads", "train_steps", "evaluate_loss",
+           "train_sft"]
 
 _peft_state_dict = lora_state_dict  # for functions whose lora_state_dict argument shadows the name
 

@@ -161,9 +161,8 @@ def probe_data_labels(ctx):
 
 
 def probe_collate(ctx):
-    collator = importlib.import_module("torch_sources.training.collator")
     ds = _processed(ctx)
-    batch = ctx.sft.make_collator(ctx.args)(ds[:4])
+    batch = ctx.sft.make_collator(ctx.args, ROOT / ctx.cfg.family.tokenizer)(ds[:4])
     return {}, {k: n(batch[k]).astype(np.int64) for k in ("input_ids", "attention_mask", "labels")}
 
 
