@@ -20,7 +20,7 @@ record: venv          ## make record TASK=llama3-sft
 	$(PY) -m recorder task=$(TASK)
 
 record-all: venv      ## every task, one Hydra multirun in parallel (joblib launcher)
-	$(PY) -m recorder -m 'task=glob(*)' hydra/launcher=joblib
+	$(PY) -m recorder -m 'task=glob(*)' hydra/launcher=local
 
 grade: venv           ## make grade TASK=llama3-sft [CANDIDATE=path]
 	$(PY) -m grader task=$(TASK) $(if $(CANDIDATE),candidate=$(CANDIDATE),)

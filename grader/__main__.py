@@ -18,6 +18,9 @@ def main(cfg: DictConfig) -> None:
         print(f"no task given: pass task=NAME; valid tasks: {', '.join(known_tasks())}", file=sys.stderr)
         sys.exit(2)
     candidate = Path(cfg.candidate).resolve() if cfg.candidate else ROOT
+    if not candidate.is_dir():
+        print(f"candidate {candidate} is not a directory", file=sys.stderr)
+        sys.exit(2)
     try:
         report = grade(cfg, candidate, ROOT / cfg.references, ROOT / cfg.report_dir,
                        pass_bar=cfg.pass_bar, budget_factor=cfg.budget.factor, budget_min_s=cfg.budget.min_s,

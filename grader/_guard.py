@@ -3,8 +3,8 @@
 run_sandboxed copies this file into the sandbox and the child's bootstrap imports it before
 anything else: it blocks the forbidden imports with a meta-path finder (and makes
 importlib.util.find_spec report them absent, as on a machine without them), makes sockets unable
-to connect, hides the repo's own packages (editable installs, repo-root path entries), then calls
-the candidate's entry. A sitecustomize beside it re-installs the same guard in any Python process the
+to connect, hides the repo's own packages (editable installs, repo-root path entries), refuses any
+file access under references/ with an audit hook, then calls the candidate's entry. A sitecustomize beside it re-installs the same guard in any Python process the
 candidate spawns without -I/-S; the gate's contract is the child itself, that part is best effort.
 
 Configuration travels in environment variables, so sitecustomize needs no arguments.
@@ -22,6 +22,8 @@ IMPORT_MARK = "t2j-gate: blocked import"         # run_sandboxed reads this in s
 NETWORK_MARK = "t2j-gate: network access blocked"  # -> "network access"
 ENV_FORBIDDEN = "T2J_GATE_FORBIDDEN"  # comma-separated top-level package names
 ENV_HIDE = "T2J_GATE_HIDE"            # os.pathsep-separated directories to drop from sys.path
+REFERENCES_MARK = "t2j-gate: reads references/"  # -> "reads references/"
+ENV_DENY = "T2J_GATE_DENY_READ"       # os.pathsep-separated directories the candidate must not touch
 
 
 class BlockForbidden(importlib.abc.MetaPathFinder):
@@ -78,11 +80,90 @@ def hide_repo(hide_dirs=()) -> None:
     sys.path_importer_cache.clear()
 
 
-def install(forbidden=None, hide_dirs=None) -> None:
+# ---------------------------------------------------------------- references/ are out of reach
+# An audit hook sees every Python-level file access (open, os.open, io.open_code, np.load,
+# pathlib, listdir/scandir, links, renames) and cannot be removed once added. Which argument of
+# each event is a path:
+_PATH_EVENTS = {
+    "open": (0,), "os.listdir": (0,), "os.scandir": (0,), "os.chdir": (0,), "os.link": (0, 1),
+    "os.rename": (0, 1), "os.symlink": (1,), "os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,),
+    "os.truncate": (0,), "os.chmod": (0,), "os.chown": (0,), "os.utime": (0,),
+    "shutil.copyfile": (0, 1), "shutil.copytree": (0, 1), "shutil.rmtree": (0,), "shutil.move": (0, 1),
+}
+# A spawned program is no Python the hook can follow: refuse one whose command line names the place.
+_SPAWN_EVENTS = frozenset({"subprocess.Popen", "os.system", "os.exec", "os.spawn", "os.posix_spawn"})
+
+
+def _strings(value, depth=0):
+    if isinstance(value, (str, bytes, os.PathLike)):
+        yield os.fsdecode(value)
+    elif depth < 2 and isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v, depth + 1)
+
+
+def deny_access(deny_dirs) -> None:
+    """Refuse (PermissionError carrying REFERENCES_MARK) any audited access under `deny_dirs`."""
+    realpath, fsdecode, fspath, getcwd = os.path.realpath, os.fsdecode, os.fspath, os.getcwd  # bound now:
+    sep = os.sep                                     # a candidate re-pointing os.path cannot blind the hook
+    denied = tuple(sorted({realpath(d) for d in deny_dirs if d} | {os.path.abspath(d) for d in deny_dirs if d}))
+    if not denied:
+        return
+
+    def inside(path) -> bool:
+        if path is None:
+            path = getcwd()
+        if isinstance(path, int):  # a file descriptor: its path was checked when it was opened
+            return False
+        try:
+            path = realpath(fsdecode(fspath(path)))  # follows symlinks; relative -> cwd
+        except (TypeError, ValueError, OSError):
+            return False
+        return any(path == d or path.startswith(d + sep) for d in denied)
+
+    def hook(event, args):
+        where = _PATH_EVENTS.get(event)
+        if where is not None:
+            bad = next((args[i] for i in where if i < len(args) and inside(args[i])), None)
+        elif event in _SPAWN_EVENTS:
+            bad = next((s for s in _strings(args) if any(d in s for d in denied)), None)
+        else:
+            return
+        if bad is not None:
+            raise PermissionError(f"{REFERENCES_MARK}: {event} {bad!r} refused: the candidate sandbox "
+                                  f"cannot read the recorded references")
+
+    sys.addaudithook(hook)
+    _audit_hdf5()
+
+
+def _audit_hdf5() -> None:
+    # libhdf5 opens files in C, out of the audit hook's sight: route h5py's file entry points through
+    # an "open" audit event first. Done before the candidate runs, so it never holds the originals.
+    if importlib.util.find_spec("h5py") is None:
+        return
+    import h5py.h5f as h5f
+    for name in ("open", "create", "is_hdf5"):
+        real = getattr(h5f, name)
+        if getattr(real, "_t2j_audited", False):
+            continue
+
+        def audited(path, *args, _real=real, **kwargs):
+            if isinstance(path, (str, bytes, os.PathLike)):
+                sys.audit("open", path, None, 0)
+            return _real(path, *args, **kwargs)
+
+        audited._t2j_audited = True
+        setattr(h5f, name, audited)
+
+
+def install(forbidden=None, hide_dirs=None, deny_dirs=None) -> None:
     if forbidden is None:
         forbidden = [n for n in os.environ.get(ENV_FORBIDDEN, "").split(",") if n]
     if hide_dirs is None:
         hide_dirs = [d for d in os.environ.get(ENV_HIDE, "").split(os.pathsep) if d]
+    if deny_dirs is None:
+        deny_dirs = [d for d in os.environ.get(ENV_DENY, "").split(os.pathsep) if d]
     hide_repo(hide_dirs)
     blocker = BlockForbidden(forbidden)
     sys.meta_path.insert(0, blocker)
@@ -91,6 +172,7 @@ def install(forbidden=None, hide_dirs=None) -> None:
             del sys.modules[name]
     _absent_from_find_spec(blocker)
     block_network()
+    deny_access(deny_dirs)
 
 
 def run_entry(entry: str, inputs_path: str, outputs_path: str):

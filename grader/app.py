@@ -74,11 +74,13 @@ def _score_check(spec, rec, produced: dict | None, error: str | None, band, seco
 
 def grade(cfg, candidate: Path, references: Path, report_dir: Path, pass_bar: float = 0.99,
           budget_factor: float = 5.0, budget_min_s: float = 120.0, spec_timeout: float = 120.0,
-          numeric_timeout: float = 300.0, quiet: bool = False, levels: tuple[str, ...] | None = None) -> dict:
+          numeric_timeout: float = 300.0, quiet: bool = False, levels: tuple[str, ...] | None = None,
+          check_timeout_s: float | None = None) -> dict:
     """Grade `candidate` on the task whose composed config is `cfg` (recorder or grader config).
 
     `levels` restricts the run to some levels (L0's torch_free gate always runs); the reward then
-    covers only the checks that ran.
+    covers only the checks that ran. `check_timeout_s` caps each L0-L4 check inside the child
+    (grader/probes/common.py; default 120 s there); L5/L6 checks are capped by the time budget.
     """
     from recorder.app import task_class  # torch-free modules (config + hashes only)
     from recorder.provenance import stale_reasons
@@ -91,13 +93,14 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, pass_bar: fl
     spec_checks, checks = checks_for(task_class(cfg))
     all_specs = spec_checks + checks
     results: list[Check] = []
+    series: dict[str, dict] = {}  # small 1-D outputs (loss trajectories), candidate beside reference, for plots
 
     offences = gate.static_scan(candidate)
     lint_ok, lint_text = gate.run_import_linter(candidate)
     if offences or not lint_ok:
         why = "torch import: " + "; ".join(offences or [lint_text.strip().splitlines()[-1] if lint_text else "lint"])
         results = [Check(s.level, s.name, s.aspect, s.measure, 0.0, why) for s in all_specs]
-        return _finish(task, candidate, results, ref, pass_bar, report_dir, stale, quiet, gated=why)
+        return _finish(task, candidate, results, ref, pass_bar, report_dir, stale, quiet, series, gated=why)
     results.append(Check("L0", "torch_free", "spec", "pass", 1.0, None))
 
     budget = max(budget_min_s, budget_factor * float(ref.attrs["wall_clock_s"]))
@@ -107,14 +110,25 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, pass_bar: fl
         if not specs:
             continue
         timeout = spec_timeout if group == ("L0",) else budget + 60 if group[0] in ("L5", "L6") else numeric_timeout
-        produced, errors, seconds = _run_group(candidate, cfg, ref, specs, group, budget, timeout)
+        produced, errors, seconds = _run_group(candidate, cfg, ref, specs, group, budget, timeout, check_timeout_s)
         for s in specs:
+            series.update(_series(s.key, ref.checks[s.key].outputs, produced.get(s.key) or {}))
             results.append(_score_check(s, ref.checks[s.key], produced.get(s.key), errors.get(s.key), ref.band,
                                         float(seconds.get(s.key, 0.0))))
-    return _finish(task, candidate, results, ref, pass_bar, report_dir, stale, quiet)
+    return _finish(task, candidate, results, ref, pass_bar, report_dir, stale, quiet, series)
 
 
-def _run_group(candidate, cfg, ref, specs, group, budget, timeout):
+def _series(key, reference: dict, produced: dict) -> dict:
+    out = {}
+    for name, ref in reference.items():
+        if ref.ndim == 1 and ref.dtype.kind == "f" and ref.size <= 1024:
+            cand = produced.get(name)
+            out[f"{key}/{name}"] = {"reference": ref.tolist(),
+                                    "candidate": None if cand is None else np.asarray(cand, np.float64).tolist()}
+    return out
+
+
+def _run_group(candidate, cfg, ref, specs, group, budget, timeout, check_timeout_s=None):
     with tempfile.TemporaryDirectory(prefix="t2j-grade-") as tmp:
         tmp = Path(tmp)
         assets = {}
@@ -125,6 +139,8 @@ def _run_group(candidate, cfg, ref, specs, group, budget, timeout):
         inputs = tmp / "inputs.h5"
         meta = {"task": _task_meta(cfg), "assets": assets, "checks": [s.key for s in specs],
                 "time_budget_s": budget}
+        if check_timeout_s is not None:
+            meta["check_timeout_s"] = float(check_timeout_s)
         write_arrays(inputs, {s.key: ref.checks[s.key].inputs for s in specs}, attrs={"meta": meta})
         outputs = tmp / "outputs.h5"
         started = time.perf_counter()
@@ -142,12 +158,12 @@ def cfg_class(cfg) -> str:
     return cfg.method.task_class if "method" in cfg else cfg.mode.task_class
 
 
-def _finish(task, candidate, results, ref, pass_bar, report_dir, stale, quiet, gated=None) -> dict:
+def _finish(task, candidate, results, ref, pass_bar, report_dir, stale, quiet, series, gated=None) -> dict:
     r = 0.0 if gated else compute_reward(results)
     levels = earned_levels(results, pass_bar=pass_bar)
     report = {"task": task, "candidate": str(candidate), "reward": r, "earned_levels": levels,
               "gated": gated, "stale_reference": stale, "pass_bar": pass_bar,
-              "checks": [asdict(c) for c in results]}
+              "checks": [asdict(c) for c in results], "series": series}
     report_dir.mkdir(parents=True, exist_ok=True)
     (report_dir / f"{task}.json").write_text(json.dumps(report, indent=2, default=float))
     if not quiet:

@@ -7,7 +7,9 @@ Three layers, cheapest first:
 - run_import_linter: import-linter's forbidden contract over the candidate's packages, which
   follows chains (package a imports b, b imports torch);
 - run_sandboxed: the candidate runs in a child process on a temporary copy of its packages (never
-  references/), where importing a forbidden package fails and sockets cannot connect.
+  references/), where importing a forbidden package fails, sockets cannot connect, and an audit hook
+  refuses any file access under the references/ directories (the repo's, the candidate's, any other
+  named by the caller).
 
 What counts as the candidate: the top-level directories jax_oracles/, serving_engine/ and
 conversion/ when they hold any .py file (namespace packages allowed), every other top-level
@@ -183,7 +185,8 @@ def run_import_linter(candidate_root: str | Path, timeout_s: float = 300.0) -> t
 @dataclass(frozen=True)
 class SandboxResult:
     ok: bool
-    reason: str | None  # None | "timeout" | "torch import" | "network access" | "no output" | "exit N: ..."
+    reason: str | None  # None | "timeout" | "torch import" | "network access" | "reads references/"
+    #                     | "no output" | "exit N: ..."
     seconds: float
     stdout_tail: str
     stderr_tail: str = ""
@@ -276,12 +279,14 @@ def _failure_reason(returncode: int, stderr: str) -> str:
         return "torch import"
     if _guard.NETWORK_MARK in stderr:
         return "network access"
+    if _guard.REFERENCES_MARK in stderr:
+        return "reads references/"
     return f"exit {returncode}: {_tail(stderr).strip()}"
 
 
 def run_sandboxed(candidate_root: str | Path, entry: str, inputs_path: str | Path,
                   outputs_path: str | Path, timeout_s: float, *, include: tuple[str, ...] = (),
-                  jax_platforms: str | None = "cpu") -> SandboxResult:
+                  jax_platforms: str | None = "cpu", deny_read: tuple[str | Path, ...] = ()) -> SandboxResult:
     """Run `entry(inputs_path, outputs_path)` ("module:function") of a copy of the candidate.
 
     The child is `sys.executable -I -c <bootstrap>` with cwd = the copy and sys.path starting
@@ -290,7 +295,9 @@ def run_sandboxed(candidate_root: str | Path, entry: str, inputs_path: str | Pat
     `jax_platforms` (None keeps the caller's). `include` names extra top-level paths of the
     candidate to copy (data such as configs/). A stale outputs file is removed first; a run that
     exits 0 without writing it fails with reason "no output". Past `timeout_s` the child's whole
-    process group is killed and the reason is "timeout".
+    process group is killed and the reason is "timeout". The references/ directories of the repo
+    and of the candidate, and every directory in `deny_read`, cannot be opened, listed, linked or
+    renamed from the child (PermissionError; a run it kills fails as "reads references/").
     """
     root = Path(candidate_root).resolve()
     inputs, outputs = Path(inputs_path).resolve(), Path(outputs_path).resolve()
@@ -311,6 +318,8 @@ def run_sandboxed(candidate_root: str | Path, entry: str, inputs_path: str | Pat
             "PYTHONPATH": os.pathsep.join(path),  # read only by grandchildren (the child runs -I)
             _guard.ENV_FORBIDDEN: ",".join(FORBIDDEN),
             _guard.ENV_HIDE: os.pathsep.join([str(_REPO_ROOT), str(root)]),
+            _guard.ENV_DENY: os.pathsep.join(str(Path(d).resolve()) for d in (
+                _REPO_ROOT / "references", root / "references", *deny_read)),
         }, candidate_root=root)
         if jax_platforms is not None:
             env["JAX_PLATFORMS"] = jax_platforms

@@ -12,7 +12,9 @@ CONFIGS = str(Path(__file__).resolve().parents[1] / "configs")
 
 @hydra.main(version_base=None, config_path=CONFIGS, config_name="recorder")
 def main(cfg: DictConfig) -> None:
-    sys.exit(run(cfg))
+    code = run(cfg)
+    if code:  # a failed job fails the command; success returns normally so multirun workers go on
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from importlib import metadata
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 from rich.console import Console
 
@@ -29,8 +30,11 @@ def compose_task(task: str, overrides: list[str] | None = None) -> DictConfig:
     """The resolved recorder config of one task, as `python -m recorder task=...` would compose it."""
     if task not in known_tasks():
         raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(known_tasks())}")
+    overrides = [f"task={task}", *(overrides or [])]
+    if GlobalHydra.instance().is_initialized():  # inside a Hydra app: its search path is ours already
+        return compose("recorder", overrides=overrides)
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
-        return compose("recorder", overrides=[f"task={task}", *(overrides or [])])
+        return compose("recorder", overrides=overrides)
 
 
 def task_class(cfg: DictConfig) -> str:

@@ -39,3 +39,30 @@ def test_stale_listing_ends_with_a_count():
     r = _run("stale=true")
     assert r.returncode == 0
     assert r.stdout.strip().splitlines()[-1].startswith("stale=")
+
+
+def _datasets(path):
+    """Every dataset's bytes (attributes such as `created` and wall-clock legitimately differ)."""
+    import h5py
+    import numpy as np
+    out = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: out.__setitem__(name, np.asarray(obj[()]).tobytes())
+                     if isinstance(obj, h5py.Dataset) else None)
+    return out
+
+
+def test_re_recording_on_the_same_cpu_reproduces_identical_datasets(tmp_path):
+    for d in ("a", "b"):
+        r = _run("task=llama3-core", f"out_dir={tmp_path / d}")
+        assert r.returncode == 0, r.stderr[-2000:]
+    a, b = _datasets(tmp_path / "a/llama3-core.h5"), _datasets(tmp_path / "b/llama3-core.h5")
+    assert a.keys() == b.keys() and len(a) > 50
+    assert [k for k in a if a[k] != b[k]] == []
+
+
+def test_multirun_records_several_tasks_in_parallel(tmp_path):
+    r = _run("-m", "task=llama3-core,gemma4-core", "hydra/launcher=local", f"out_dir={tmp_path}",
+             f"hydra.sweep.dir={tmp_path}/multirun", timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.glob("*.h5")) == ["gemma4-core.h5", "llama3-core.h5"]

@@ -1,35 +1,131 @@
-"""The sandboxed child's driver: read the inputs-only file, run each check's probe, write outputs."""
+"""The sandboxed child's driver: read the inputs-only file, run each check's probe, write outputs.
+
+Every probe runs under a wall-clock limit of its own (SIGALRM in the main thread), so a
+Python-level hang costs that check only and the rest of the group still runs; a hang inside C
+code never returns to the interpreter, and the group's process timeout (grader/app.py) kills it.
+"""
 from __future__ import annotations
 
+import math
+import signal
+import threading
 import time
 import traceback
 
 import jax
 import numpy as np
 
+from grader import _guard
 from grader.h5schema import read_arrays, write_arrays
+
+DEFAULT_CHECK_TIMEOUT_S = 120.0  # L0-L4, when meta has no "check_timeout_s"; L5/L6 get the time budget
+_REPEAT_S = 1.0  # the alarm re-fires until the probe lets go (a probe may swallow one exception)
 
 
 def n(x):
     return np.asarray(jax.device_get(x))
 
 
+class CheckTimeout(BaseException):
+    """Raised by the alarm inside a probe past its limit; a BaseException, so `except Exception` in
+    candidate code does not swallow it."""
+
+
+class _Alarm:
+    """One wall-clock limit at a time on SIGALRM; a no-op where signals are unavailable."""
+
+    def __init__(self):
+        self.usable = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+        self.armed = False
+        self.fired = False
+        self.limit = math.inf
+
+    def _on_alarm(self, signum, frame):
+        if self.armed:  # a late alarm after disarm() is ignored
+            self.fired = True
+            raise CheckTimeout(f"past {self.limit:.1f} s")
+
+    def arm(self, limit: float) -> None:
+        self.fired, self.limit = False, limit
+        if self.usable and math.isfinite(limit) and limit > 0:
+            signal.signal(signal.SIGALRM, self._on_alarm)  # again each time: a probe may have replaced it
+            self.armed = True
+            signal.setitimer(signal.ITIMER_REAL, limit, _REPEAT_S)
+
+    def disarm(self) -> None:
+        self.armed = False  # first: an alarm landing from here on is ignored
+        if self.usable:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    def run(self, limit, fn, *args):
+        """fn(*args) under `limit` seconds: (value, error reason or None)."""
+        try:
+            try:
+                self.arm(limit)
+                value = fn(*args)
+            finally:
+                self.disarm()
+        except CheckTimeout:
+            self.disarm()  # the alarm may have landed inside the finally above, before the disarm
+            return None, f"timeout: past the {limit:.1f} s limit"
+        except Exception as e:
+            traceback.print_exc()
+            if self.fired:  # candidate code caught the alarm and raised something else
+                return None, f"timeout: past the {limit:.1f} s limit"
+            return None, _reason(e)
+        if self.fired:  # it caught the alarm and returned anyway
+            return None, f"timeout: past the {limit:.1f} s limit"
+        return value, None
+
+
+def _reason(e: Exception) -> str:
+    text = f"{type(e).__name__}: {e}"
+    if _guard.IMPORT_MARK in text:
+        return f"torch import: {text}"[:500]
+    if _guard.REFERENCES_MARK in text:
+        return f"reads references/: {text}"[:500]
+    if _guard.NETWORK_MARK in text:
+        return f"network access: {text}"[:500]
+    return f"crash: {text}"[:500]
+
+
+def check_limit(meta: dict, level: str) -> float:
+    """The wall-clock limit of one check: meta["check_timeout_s"] (default 120 s) for L0-L4, the
+    time budget meta["time_budget_s"] for L5/L6 (too slow counts as wrong)."""
+    if level in ("L5", "L6"):
+        return float(meta.get("time_budget_s", math.inf))
+    return float(meta.get("check_timeout_s", DEFAULT_CHECK_TIMEOUT_S))
+
+
 def run_probes(inputs_path, outputs_path, make_ctx, probes):
-    """A probe that raises fails its own check (with the reason), never the run. L5/L6 probes past the
-    time budget fail as 'timeout': too slow counts as wrong."""
+    """A probe that raises or hangs fails its own check (with the reason), never the run. L5/L6 probes
+    past the time budget fail as 'timeout': too slow counts as wrong. A context that cannot be made
+    (the candidate's module does not import) fails every check with that reason."""
     groups, attrs = read_arrays(inputs_path)
     meta = attrs["meta"]
-    ctx = make_ctx(meta)
     budget = float(meta.get("time_budget_s", float("inf")))
+    alarm = _Alarm()
+    keys = list(meta["checks"])
+    started = time.perf_counter()
+    setup_limit = min(check_limit(meta, k.split("/", 1)[0]) for k in keys) if keys else math.inf
+    ctx, setup_error = alarm.run(setup_limit, make_ctx, meta)
+    if setup_error is not None:
+        seconds = time.perf_counter() - started
+        write_arrays(outputs_path, {}, attrs={"errors": {k: f"setup: {setup_error}"[:500] for k in keys},
+                                              "seconds": {k: seconds for k in keys}})
+        return
     outputs, errors, seconds = {}, {}, {}
-    for key in meta["checks"]:
+    for key in keys:
         level, name = key.split("/", 1)
         started = time.perf_counter()
-        try:
-            outputs[key] = probes[name](ctx, groups.get(key, {}))
-        except Exception as e:
-            errors[key] = f"crash: {type(e).__name__}: {e}"[:500]
-            traceback.print_exc()
+        if name not in probes:
+            value, error = None, f"crash: the grader has no probe for {name!r}"
+        else:
+            value, error = alarm.run(check_limit(meta, level), probes[name], ctx, groups.get(key, {}))
+        if error is None:
+            outputs[key] = value
+        else:
+            errors[key] = error
         seconds[key] = time.perf_counter() - started
         if level in ("L5", "L6") and seconds[key] > budget and key not in errors:
             errors[key] = f"timeout: {seconds[key]:.1f} s > budget {budget:.1f} s"
