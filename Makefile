@@ -25,6 +25,9 @@ record-all: venv      ## every task, one Hydra multirun in parallel (joblib laun
 grade: venv           ## make grade TASK=llama3-sft [CANDIDATE=path]
 	$(PY) -m grader task=$(TASK) $(if $(CANDIDATE),candidate=$(CANDIDATE),)
 
+grade-all: venv       ## every recorded task graded, one report in reports/all (md, html, png) [CANDIDATE=path]
+	$(PY) -m grader.grade_all $(if $(CANDIDATE),candidate=$(CANDIDATE),)
+
 stale: venv
 	$(PY) -m recorder stale=true
 

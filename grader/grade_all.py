@@ -47,7 +47,7 @@ def _error_report(task: str, candidate: Path, exc: BaseException) -> dict:
 
 def grade_tasks(tasks: list[str], candidate: Path, out_dir: Path,
                 references: Path = ROOT / "references") -> list[dict]:
-    """Grade each task in turn; one raising becomes an error row (also written as <task>.json)."""
+    """Grade each task in turn into out_dir/<task>.json; one raising becomes an error row."""
     reports = []
     for i, task in enumerate(tasks, 1):
         started = time.perf_counter()
@@ -55,9 +55,9 @@ def grade_tasks(tasks: list[str], candidate: Path, out_dir: Path,
             report = grade(compose_task(task), candidate, references, out_dir, quiet=True)
         except Exception as exc:  # noqa: BLE001 -- one broken task must not cost the others
             report = _error_report(task, candidate, exc)
-            out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / f"{task}.json").write_text(json.dumps(report, indent=2))
         report["wall_s"] = time.perf_counter() - started
+        out_dir.mkdir(parents=True, exist_ok=True)  # rewritten with wall_s, so grader.report can re-render it
+        (out_dir / f"{task}.json").write_text(json.dumps(report, indent=2, default=float))
         outcome = (f"ERROR {report['error'].splitlines()[-1]}" if report.get("error")
                    else f"reward={report['reward']:.4f} earned=L{report['earned_levels']}")
         print(f"[{i}/{len(tasks)}] {task}: {outcome} ({report['wall_s']:.0f} s)", file=sys.stderr, flush=True)
@@ -66,7 +66,7 @@ def grade_tasks(tasks: list[str], candidate: Path, out_dir: Path,
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m grader.grade_all", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m grader.grade_all", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help=f"keys: {', '.join(KEYS)}")
     ns = parser.parse_args(argv)

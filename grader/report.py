@@ -107,6 +107,9 @@ def summary_rows(reports: list[dict]) -> list[dict]:
 
 # ---------------------------------------------------------------- markdown
 
+READING = ("1 - score says how far below 1 each score is; the reason is the grader's own (a crash, timeout, "
+           "missing output, NaN or spec mismatch), so a score below 1 with no reason is plain numeric distance.")
+
 
 def _md_cell(score: float | None) -> str:
     cls = score_class(score)  # markdown has no colour: red is bold, amber italic
@@ -130,7 +133,7 @@ def _markdown(reports, rows, plots) -> str:
            f"mean reward **{mean_reward(reports):.4f}** over {len(reports)} tasks "
            f"(an error counts as 0). Scores truncated to 6 places; **bold** < {AMBER} (red), "
            f"_italic_ < {GREEN} (amber). A level column is the plain mean of its checks.", "",
-           markdown_table(rows), "", f"![per-level scores]({plots['levels']})", "", "## Checks per task"]
+           markdown_table(rows), "", f"![per-level scores]({plots['levels']})", "", "## Checks per task", "", READING]
     for r, row in zip(reports, rows):
         out += ["", f"### {row['task']}", ""]
         if row["error"]:
@@ -143,7 +146,7 @@ def _markdown(reports, rows, plots) -> str:
         out += ["", "| level | check | aspect | measure | score | 1 - score | seconds | reason |",
                 "|---|---|---|---|---|---|---|---|"]
         for c in r.get("checks") or []:
-            reason = (c.get("reason") or ("(none given)" if c["score"] < 1.0 else "")).replace("|", "/")
+            reason = (c.get("reason") or "").replace("|", "/")
             out.append(f"| {c['level']} | {c['name']} | {c['aspect']} | {c['measure']} | {_md_cell(c['score'])} | "
                        f"{_deficit(c['score'])} | {c.get('seconds', 0.0):.2f} | {reason} |")
     return "\n".join(out) + "\n"
@@ -191,7 +194,7 @@ def _html(reports, rows, plots, out_dir: Path) -> str:
              f"Scores truncated to 6 places; green &ge; {GREEN}, amber &ge; {AMBER}, red below. "
              f"A level cell is the plain mean of its checks.</p>",
              f"<table><tr>{head}</tr>{''.join(body)}</table>", _img(out_dir / plots["levels"], "per-level scores"),
-             "<h2>Checks per task</h2>"]
+             f"<h2>Checks per task</h2><p>{html.escape(READING)}</p>"]
     for r, row in zip(reports, rows):
         task = e(row["task"])
         if row["error"]:
@@ -208,7 +211,7 @@ def _html(reports, rows, plots, out_dir: Path) -> str:
         parts.append("<table><tr><th>level</th><th>check</th><th>aspect</th><th>measure</th><th>score</th>"
                      "<th>1 - score</th><th>seconds</th><th>reason</th></tr>")
         for c in r.get("checks") or []:
-            reason = c.get("reason") or ("(none given)" if c["score"] < 1.0 else "")
+            reason = c.get("reason") or ""
             parts.append(f"<tr><td>{c['level']}</td><td>{e(c['name'])}</td><td>{c['aspect']}</td>"
                          f"<td>{c['measure']}</td>{_td(c['score'])}<td class=\"num\">{_deficit(c['score'])}</td>"
                          f"<td class=\"num\">{c.get('seconds', 0.0):.2f}</td><td>{e(reason)}</td></tr>")
@@ -248,6 +251,10 @@ def _plot_losses(report: dict, path: Path) -> bool:
             top.plot(steps, cand, "x--", color="#e0701a", lw=1.5, ms=6, label="candidate (JAX)")
             gap = np.abs(cand - ref)
             bottom.semilogy(steps, np.where(gap > 0, gap, np.nan), "s-", color="#8a2be2", ms=4)
+            if 0 < np.count_nonzero(gap == 0) < len(gap):  # log axis drops them: say why a point is missing
+                n = int(np.count_nonzero(gap == 0))
+                bottom.set_title(f"{n} step{'s' * (n > 1)} bit-identical (no point on a log axis)", fontsize=9,
+                                 loc="right", color="#555")
             if not np.any(gap > 0):  # nothing to put on a log axis: say so and drop its meaningless ticks
                 bottom.text(0.5, 0.5, "identical at every step", ha="center", va="center", transform=bottom.transAxes)
                 bottom.set_yticks([], minor=True)

@@ -46,9 +46,12 @@ def _datasets(path):
     import h5py
     import numpy as np
     out = {}
+
+    def keep(name, obj):
+        if isinstance(obj, h5py.Dataset):  # strings by value, numbers by their exact bytes
+            out[name] = repr(obj.asstr()[()].tolist()) if obj.dtype.kind == "O" else np.asarray(obj[()]).tobytes()
     with h5py.File(path, "r") as f:
-        f.visititems(lambda name, obj: out.__setitem__(name, np.asarray(obj[()]).tobytes())
-                     if isinstance(obj, h5py.Dataset) else None)
+        f.visititems(keep)
     return out
 
 

@@ -46,7 +46,8 @@ def test_committed_references_follow_the_schema():
             for name, arr in c.outputs.items():
                 if arr.dtype.kind == "f":
                     assert np.all(np.isfinite(arr)), f"{c.key}/{name} holds non-finite values"
-        assert ref.band is not None and ref.band[0] <= ref.band[1]
+        if task_class(compose_task(path.stem)) == "training":  # the seed-varied L6 band
+            assert ref.band is not None and ref.band[0] <= ref.band[1]
         assert ref.attrs["dtype"] == "float32" and ref.attrs["wall_clock_s"] > 0
 
 
