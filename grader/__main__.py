@@ -24,7 +24,8 @@ def main(cfg: DictConfig) -> None:
     try:
         report = grade(cfg, candidate, ROOT / cfg.references, ROOT / cfg.report_dir,
                        pass_bar=cfg.pass_bar, budget_factor=cfg.budget.factor, budget_min_s=cfg.budget.min_s,
-                       spec_timeout=cfg.timeouts.spec, numeric_timeout=cfg.timeouts.numeric)
+                       spec_timeout=cfg.timeouts.spec, numeric_timeout=cfg.timeouts.numeric,
+                       check_timeout_s=cfg.timeouts.check)
     except ReferenceError as e:
         print(f"cannot grade {cfg.task_name}: {e}", file=sys.stderr)
         sys.exit(1)

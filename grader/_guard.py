@@ -1,11 +1,18 @@
-"""The in-process half of the independence gate (DESIGN section 8). Standard library only.
+"""The in-process half of the independence gate (DESIGN section 8). Standard library only (h5py,
+when installed, has its file entry points audited).
 
 run_sandboxed copies this file into the sandbox and the child's bootstrap imports it before
 anything else: it blocks the forbidden imports with a meta-path finder (and makes
 importlib.util.find_spec report them absent, as on a machine without them), makes sockets unable
 to connect, hides the repo's own packages (editable installs, repo-root path entries), refuses any
-file access under references/ with an audit hook, then calls the candidate's entry. A sitecustomize beside it re-installs the same guard in any Python process the
-candidate spawns without -I/-S; the gate's contract is the child itself, that part is best effort.
+file access under the references/ directories with an audit hook, then calls the candidate's entry.
+A sitecustomize beside it re-installs the same guard in any Python process the candidate spawns
+without -I/-S; the gate's contract is the child itself, that part is best effort.
+
+The references/ barrier works at the Python level: the audit hook, plus the two C paths a
+candidate reaches most easily (h5py, os.open with dir_fd). It stops a candidate that opens, lists,
+copies, links or h5py-reads the references, or spawns a command naming them; it is no OS boundary
+(ctypes, HDF5 external links, or a shell command that spells the path in pieces get past it).
 
 Configuration travels in environment variables, so sitecustomize needs no arguments.
 """
@@ -134,15 +141,37 @@ def deny_access(deny_dirs) -> None:
                                   f"cannot read the recorded references")
 
     sys.addaudithook(hook)
+    _audit_dir_fd()
     _audit_hdf5()
+
+
+def _audit_dir_fd() -> None:
+    # The "open" event of os.open carries the path but not dir_fd: a relative path under a directory
+    # descriptor would be judged against the cwd. Audit the path the descriptor really names too.
+    import posix
+    real_open, readlink = posix.open, os.readlink
+    if getattr(real_open, "_t2j_audited", False):
+        return
+
+    def audited_open(path, flags, mode=0o777, *, dir_fd=None):
+        if dir_fd is not None and isinstance(path, (str, bytes, os.PathLike)):
+            base = readlink(f"/proc/self/fd/{dir_fd}")
+            sys.audit("open", os.path.join(base, os.fsdecode(path)), None, flags)
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    audited_open._t2j_audited = True
+    os.open = posix.open = audited_open
+    if real_open in os.supports_dir_fd:  # shutil and others ask this set what takes dir_fd
+        os.supports_dir_fd.add(audited_open)
 
 
 def _audit_hdf5() -> None:
     # libhdf5 opens files in C, out of the audit hook's sight: route h5py's file entry points through
     # an "open" audit event first. Done before the candidate runs, so it never holds the originals.
-    if importlib.util.find_spec("h5py") is None:
+    try:
+        import h5py.h5f as h5f
+    except ImportError:  # no h5py here: nothing to route
         return
-    import h5py.h5f as h5f
     for name in ("open", "create", "is_hdf5"):
         real = getattr(h5f, name)
         if getattr(real, "_t2j_audited", False):

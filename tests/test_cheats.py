@@ -7,10 +7,10 @@ import textwrap
 import time
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 
-from grader import _guard
 from grader.app import grade
 from grader.gate import run_sandboxed, static_scan
 from grader.h5schema import read_arrays, write_arrays
@@ -127,6 +127,8 @@ def attempts(d, scratch):
     return {
         "open": lambda: open(f, "rb").read(),
         "os.open": lambda: os.read(os.open(f, os.O_RDONLY), 8),
+        "dir_fd": lambda: os.read(os.open(os.path.join(os.path.basename(d), "ref.h5"), os.O_RDONLY,
+                                          dir_fd=os.open(os.path.dirname(d), os.O_RDONLY)), 8),
         "pathlib": lambda: pathlib.Path(f).read_bytes(),
         "numpy": lambda: np.fromfile(f, np.uint8).size,
         "listdir": lambda: os.listdir(d),
@@ -164,7 +166,7 @@ def _channels(tmp_path, deny: bool) -> dict:
     secret, scratch = tmp_path / ("secret" if deny else "open"), tmp_path / f"scratch-{deny}"
     secret.mkdir()
     scratch.mkdir()
-    with __import__("h5py").File(secret / "ref.h5", "w") as f:
+    with h5py.File(secret / "ref.h5", "w") as f:
         f["x"] = np.arange(3)
     cand = tmp_path / f"cand-{deny}"
     (cand / "jax_oracles").mkdir(parents=True)
@@ -184,7 +186,7 @@ def test_every_python_file_channel_to_a_denied_directory_is_refused(tmp_path):
     assert not {k: v for k, v in refused.items() if v != ("nothing" if k == "glob" else "refused")}
     allowed = _channels(tmp_path, deny=False)  # the same attempts on a directory not denied succeed
     assert not {k: v for k, v in allowed.items() if v != "read"}
-    assert set(allowed) == set(refused) and len(refused) == 15
+    assert set(allowed) == set(refused) and len(refused) == 16
 
 
 def test_a_run_killed_by_reading_references_says_so(tmp_path):
@@ -216,33 +218,30 @@ def test_a_hanging_check_times_out_alone(tmp_path):
         while True:
             pass
         """)
-    # a hang that swallows exceptions: the alarm is no Exception and re-fires until the probe lets go
-    _plant(cand, "jax_oracles/training/lora.py",
-           "def lora_linear(x, weight, bias, lora_A, lora_B, scaling: float):\n", """
-        import time
-        while True:
-            try:
-                time.sleep(1000)
-            except Exception:
-                pass
-        """)
     started = time.perf_counter()
-    checks = _by_name(_grade(cand, tmp_path, ("L1",), check_timeout_s=8.0))
-    for name in ("attention_core", "lora_linear", "mlp"):  # mlp traces the whole model (see BESIDE_RMS_NORM)
+    checks = _by_name(_grade(cand, tmp_path, ("L1",), check_timeout_s=6.0))  # the others take ~2 s at most
+    for name in ("attention_core", "mlp"):  # mlp traces the whole model (see BESIDE_RMS_NORM)
         assert checks[name]["score"] == 0.0 and checks[name]["reason"].startswith("timeout"), checks[name]
-        assert 8.0 <= checks[name]["seconds"] < 30.0, checks[name]
-    _assert_untouched(checks, "rms_norm", "rope", "data_tokens", "data_labels", "collate")
-    assert time.perf_counter() - started < 120.0
+        assert 6.0 <= checks[name]["seconds"] < 20.0, checks[name]
+    _assert_untouched(checks, "rms_norm", "rope", "lora_linear", "data_tokens", "data_labels", "collate")
+    assert time.perf_counter() - started < 60.0
 
 
 def test_run_probes_limits_each_check_and_keeps_going(tmp_path):
     inputs, outputs = tmp_path / "in.h5", tmp_path / "out.h5"
-    checks = ["L1/spin", "L1/stubborn", "L1/fine", "L5/slow", "L1/crash"]
+    checks = ["L1/spin", "L1/swallow", "L1/stubborn", "L1/fine", "L5/slow", "L1/crash"]
     write_arrays(inputs, {}, attrs={"meta": {"checks": checks, "check_timeout_s": 0.3, "time_budget_s": 0.6}})
 
     def spin(ctx, inp):
         while True:
             pass
+
+    def swallow(ctx, inp):  # the alarm is no Exception, and it re-fires until the probe lets go
+        while True:
+            try:
+                time.sleep(10)
+            except Exception:
+                pass
 
     def stubborn(ctx, inp):  # catches the first alarms and returns as if nothing happened
         for _ in range(3):
@@ -255,15 +254,15 @@ def test_run_probes_limits_each_check_and_keeps_going(tmp_path):
     def slow(ctx, inp):
         time.sleep(10)
 
-    probes = {"spin": spin, "stubborn": stubborn, "fine": lambda ctx, inp: {"y": np.ones(2)}, "slow": slow,
-              "crash": lambda ctx, inp: 1 / 0}
+    probes = {"spin": spin, "swallow": swallow, "stubborn": stubborn, "slow": slow,
+              "fine": lambda ctx, inp: {"y": np.ones(2)}, "crash": lambda ctx, inp: 1 / 0}
     started = time.perf_counter()
     run_probes(inputs, outputs, lambda meta: None, probes)
     assert time.perf_counter() - started < 8.0
     groups, attrs = read_arrays(outputs)
     errors = attrs["errors"]
     assert set(groups) == {"L1/fine"} and np.array_equal(groups["L1/fine"]["y"], np.ones(2))
-    for key in ("L1/spin", "L1/stubborn", "L5/slow"):
+    for key in ("L1/spin", "L1/swallow", "L1/stubborn", "L5/slow"):
         assert errors[key].startswith("timeout"), errors
     assert 0.6 <= attrs["seconds"]["L5/slow"] < 3.0  # L5/L6 are limited by the budget, not check_timeout_s
     assert errors["L1/crash"].startswith("crash: ZeroDivisionError")
