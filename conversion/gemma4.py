@@ -16,6 +16,7 @@ import numpy as np
 from flax import traverse_util
 
 from conversion import safetensors_io as st_io
+from conversion.rules import apply_rules
 from jax_oracles.models.gemma4 import Gemma4ForCausalLM, Gemma4TextConfig
 
 __all__ = ["RULES", "load_config", "convert_state_dict", "load_params"]
@@ -74,28 +75,7 @@ def _expected_shapes(config: Gemma4TextConfig) -> dict[str, tuple[int, ...]]:
 def convert_state_dict(state: dict[str, np.ndarray], config: Gemma4TextConfig) -> dict:
     """HF-named numpy tensors -> nested Linen `params` dict of f32 jax arrays."""
     state = {k: v for k, v in state.items() if not _ignored(config, k)}
-    flat, used = {}, set()
-    for name, w in state.items():
-        for pattern, target, fn in RULES:
-            m = re.fullmatch(pattern, name)
-            if m:
-                path = target.format(*m.groups())
-                if path in flat:
-                    raise ValueError(f"{name}: param {path} written twice")
-                flat[path] = np.asarray(fn(np.asarray(w).astype(np.float32)))
-                used.add(name)
-                break
-    expected = _expected_shapes(config)
-    unused, unwritten = sorted(set(state) - used), sorted(expected.keys() - flat.keys())
-    extra = sorted(flat.keys() - expected.keys())
-    if unused or unwritten or extra:
-        raise ValueError(
-            f"checkpoint/model mismatch: unused source tensors {unused}, params never written {unwritten}, "
-            f"params the model does not declare {extra}")
-    bad = {p: (flat[p].shape, s) for p, s in expected.items() if flat[p].shape != s}
-    if bad:
-        raise ValueError(f"shape mismatch (got, expected): {bad}")
-    return traverse_util.unflatten_dict({p: jnp.asarray(w) for p, w in flat.items()}, sep="/")
+    return apply_rules(state, RULES, _expected_shapes(config))
 
 
 def load_params(path) -> dict:

@@ -7,7 +7,6 @@ model declares (names and shapes from `jax.eval_shape(model.init)`) must be writ
 
 from __future__ import annotations
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +14,7 @@ import numpy as np
 from flax import traverse_util
 
 from conversion import safetensors_io as st_io
+from conversion.rules import apply_rules
 from jax_oracles.models.llama3 import LlamaConfig, LlamaForCausalLM
 
 __all__ = ["RULES", "load_config", "convert_state_dict", "load_params"]
@@ -59,28 +59,7 @@ def convert_state_dict(state: dict[str, np.ndarray], config: LlamaConfig) -> dic
     state = dict(state)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # some tied releases still store the shared copy
-    flat, used = {}, set()
-    for name, w in state.items():
-        for pattern, target, fn in RULES:
-            m = re.fullmatch(pattern, name)
-            if m:
-                path = target.format(*m.groups())
-                if path in flat:
-                    raise ValueError(f"{name}: param {path} written twice")
-                flat[path] = np.asarray(fn(np.asarray(w).astype(np.float32)))
-                used.add(name)
-                break
-    expected = _expected_shapes(config)
-    unused, unwritten = sorted(set(state) - used), sorted(expected.keys() - flat.keys())
-    extra = sorted(flat.keys() - expected.keys())
-    if unused or unwritten or extra:
-        raise ValueError(
-            f"checkpoint/model mismatch: unused source tensors {unused}, params never written {unwritten}, "
-            f"params the model does not declare {extra}")
-    bad = {p: (flat[p].shape, s) for p, s in expected.items() if flat[p].shape != s}
-    if bad:
-        raise ValueError(f"shape mismatch (got, expected): {bad}")
-    return traverse_util.unflatten_dict({p: jnp.asarray(w) for p, w in flat.items()}, sep="/")
+    return apply_rules(state, RULES, _expected_shapes(config))
 
 
 def load_params(path) -> dict:
