@@ -4,7 +4,7 @@ STAMP  := .venv/.installed-stamp
 TASK   ?= llama3-sft
 PYTEST := $(PY) -m pytest -q -p no:randomly
 
-.PHONY: venv record record-all grade grade-all test test-full bench assets stale clean-venv
+.PHONY: venv record record-all grade grade-all sweep test test-full bench assets stale clean-venv
 
 venv: $(STAMP)
 
@@ -27,6 +27,9 @@ grade: venv           ## make grade TASK=llama3-sft [CANDIDATE=path]
 
 grade-all: venv       ## every recorded task graded, one report in reports/all (md, html, png) [CANDIDATE=path]
 	$(PY) -m grader.grade_all $(if $(CANDIDATE),candidate=$(CANDIDATE),)
+
+sweep: venv           ## seeded-defect sweep of every recorded task (hours on 2 cores); last line defects_caught=N/M checks_tripped=K/L
+	$(PY) -m grader.sweep --all
 
 stale: venv
 	$(PY) -m recorder stale=true

@@ -255,14 +255,14 @@ def _markdown(r: dict) -> str:
         "A check is tripped when its score falls below the clean oracle's by more than its run-to-run noise "
         f"(the reference's `noise` attribute, else {r['default_noise']:g}: CPU fp32 re-runs of the torch source "
         "and of the JAX oracles are bit-identical). A defect is caught when it trips a check. Catalog: "
-        "`grader/defects.yaml`.", "",
-        "## Defects", "",
+        "`grader/defects.yaml`." + ("" if r["levels"] == list(LEVELS) else f" Levels graded: {', '.join(r['levels'])}."),
+        "", "## Defects", "",
         "| defect | reward | drop | caught | levels tripped | checks tripped | expected level missed | bug |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for d in r["defects"]:
         gated = " (gated)" if d["gated"] else ""
-        lines.append(f"| `{d['id']}` | {d['reward']:.4f} | {d['reward_drop']:.2e} | "
+        lines.append(f"| `{d['id']}` | {d['reward']:.6f} | {d['reward_drop']:.2e} | "
                      f"{'yes' if d['caught'] else '**NO**'}{gated} | {','.join(d['levels_tripped']) or '-'} | "
                      f"{_fmt_checks(d['tripped'])} | {','.join(d['expected_levels_missed']) or '-'} | "
                      f"{d['description']} |")
