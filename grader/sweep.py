@@ -162,6 +162,7 @@ def sweep_task(task: str, defects, workdir: Path, progress=_say, levels: tuple[s
 
     cfg = compose_task(task)
     task_class = _task_key(cfg)[0]
+    order = _check_order(task_class)
     todo = applicable(defects, cfg)
     ref = read_reference(ROOT / "references" / f"{task}.h5")
     workdir = Path(workdir)
@@ -184,7 +185,7 @@ def sweep_task(task: str, defects, workdir: Path, progress=_say, levels: tuple[s
             shutil.rmtree(mutant, ignore_errors=True)
         scores = _scores(report)
         tripped = sorted((k for k in clean if k in scores and scores[k]["score"] < clean[k]["score"] - noise[k]),
-                         key=_order)
+                         key=order)
         levels_tripped = sorted({k.split("/")[0] for k in tripped})
         rec = {
             "id": d.id, "description": d.description, "file": d.file, "expected_levels": list(d.levels),
@@ -203,7 +204,7 @@ def sweep_task(task: str, defects, workdir: Path, progress=_say, levels: tuple[s
                  f"(levels {','.join(levels_tripped) or '-'}; {rec['seconds']:.0f} s)")
 
     checks = {}
-    for key in sorted(clean, key=_order):
+    for key in sorted(clean, key=order):
         by = [r["id"] for r in records if key in r["tripped"] and (not r["gated"] or key == GATE_CHECK)]
         checks[key] = {"clean_score": clean[key]["score"], "clean_reason": clean[key].get("reason"),
                        "noise": noise[key], "tripped_by": by}
@@ -217,10 +218,11 @@ def sweep_task(task: str, defects, workdir: Path, progress=_say, levels: tuple[s
     }
 
 
-def _order(key: str):
+def _check_order(task_class: str):
+    """Sort key: a check's place in the class's catalog (grader/checks.py), unknown keys last."""
     from grader.checks import checks_for
-    order = {s.key: i for cls in CLASSES for i, s in enumerate(sum(checks_for(cls), ()))}
-    return order.get(key, len(order)), key
+    order = {s.key: i for i, s in enumerate(sum(checks_for(task_class), ()))}
+    return lambda key: (order.get(key, len(order)), key)
 
 
 # ---- reports -------------------------------------------------------------------------------------
@@ -267,7 +269,8 @@ def _markdown(r: dict) -> str:
                      f"{_fmt_checks(d['tripped'])} | {','.join(d['expected_levels_missed']) or '-'} | "
                      f"{d['description']} |")
     lines += ["", "## Checks", "", "| check | clean score | noise | tripped by |", "|---|---|---|---|"]
-    for key, c in r["checks"].items():
+    for key in sorted(r["checks"], key=_check_order(r["task_class"])):
+        c = r["checks"][key]
         by = c["tripped_by"]
         note = f" ({c['clean_reason']})" if c.get("clean_reason") else ""
         lines.append(f"| `{key}` | {c['clean_score']:.9f}{note} | {c['noise']:g} | "
