@@ -74,6 +74,8 @@ SERVING_CHECKS = (
     _c("L1", "sampler_top_k_top_p", "numeric", "agreement", "top-k then top-p kept set (crossing token kept)"),
     _c("L1", "sampler_greedy", "numeric", "agreement", "greedy ids"),
     _c("L1", "sampler_random", "numeric", "agreement", "exponential-race draws after every transform"),
+    _c("L1", "sampler_pipeline", "numeric", "agreement",
+       "the engine's own Sampler over SamplingMetadata.from_requests: stage order, seeds, greedy rows"),
     _c("L2", "decoder_layer_paged", "numeric", "tensor", "decoder layer 0 with its paged KV write"),
     _c("L3", "prefill_t5", "numeric", "tensor", "prefill logits, 5-token prompt"),
     _c("L3", "prefill_t17", "numeric", "tensor", "prefill logits, 17-token prompt"),

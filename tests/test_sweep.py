@@ -113,3 +113,16 @@ def test_a_real_sweep_of_two_defects_catches_both_with_the_expected_checks(tmp_p
                                       "L4/fixed_steps_params"}
     assert labels["reward_drop"] > 1e-3 and result["checks"]["L4/loss_step0"]["tripped_by"] == [
         "train-rope-theta-default", "train-labels-not-shifted"]
+
+
+@pytest.mark.parametrize("task, did, check", [
+    ("llama3-core", "serve-min-p-before-temperature", "L1/sampler_pipeline"),
+    ("llama3-sft", "train-template-eos-not-replaced", "L1/collate"),
+])
+def test_order_and_eos_defects_are_caught_at_l1(tmp_path, task, did, check):
+    # Both were blind spots once: the per-transform sampler checks compose the stages in the probe's
+    # order, and an Instruct tokenizer (eos already <|eot_id|>) made replace_eos a no-op.
+    result = sweep.sweep_task(task, [DEFECTS[did]], tmp_path, progress=lambda msg: None, levels=("L1",))
+    (rec,) = result["defects"]
+    assert rec["caught"] and check in rec["tripped"], rec
+    assert rec["scores"][check] < 0.99

@@ -80,6 +80,8 @@ def test_dataset_and_tokenizer_assets_are_reproducible():
 @pytest.mark.parametrize("mod", TEMPLATES, ids=["torch", "jax"])
 def test_llama3_template_literal_ids(mod):
     template, tok = _tokenizer(mod)
+    raw = mod.load_tokenizer(TOKENIZER)
+    assert (raw.eos_token_id, raw.pad_token_id) == (401, None)  # the base checkpoint's <|end_of_text|>, no pad
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (400, 404, 404)  # replace_eos; pad := eos
     messages = [{"role": "user", "content": "Count to 3."}, {"role": "assistant", "content": "1 2 3"}]
     assert template.encode_oneturn(tok, messages) == (COUNT_PROMPT, COUNT_ANSWER)

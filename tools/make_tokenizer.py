@@ -7,8 +7,9 @@ then byte-level without a regex), followed by Llama 3's special tokens: 400 <|be
 402 <|start_header_id|>, 403 <|end_header_id|>, 404 <|eot_id|>, then <|eom_id|>,
 <|python_tag|>, <|finetune_right_pad_id|> and reserved specials (all ids < 512, the model's
 vocab). There is no BOS post-processor: the chat template inserts bos itself, as
-LLaMA-Factory's llama3 template does. tokenizer_config.json follows Meta-Llama-3-Instruct
-(bos <|begin_of_text|>, eos <|eot_id|>, no pad token, the Llama 3 chat template).
+LLaMA-Factory's llama3 template does. tokenizer_config.json follows the base Meta-Llama-3.1
+checkpoints (bos <|begin_of_text|>, eos <|end_of_text|>, no pad token, the Llama 3 chat template), the
+case LLaMA-Factory's `replace_eos` exists for: the template makes <|eot_id|> the eos and the pad.
 Two runs give byte-identical files.
 """
 
@@ -84,7 +85,7 @@ def tokenizer_config() -> dict:
         "bos_token": "<|begin_of_text|>",
         "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": True,
-        "eos_token": "<|eot_id|>",
+        "eos_token": "<|end_of_text|>",
         "model_input_names": ["input_ids", "attention_mask"],
         "model_max_length": 256,
         "tokenizer_class": "PreTrainedTokenizerFast",

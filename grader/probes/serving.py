@@ -153,6 +153,29 @@ def _sampler_probe(which):
     return probe
 
 
+def _pipeline_requests(inp):
+    """The recorded rows as the candidate's own requests (`request_id` "pipe-k"; seed -1 = unseeded)."""
+    SP, Request = sv("config").SamplingParams, sv("request").Request
+    reqs = []
+    for k, seed in enumerate(np.asarray(inp["seed"])):
+        params = SP(temperature=float(inp["temperature"][k]), top_k=int(inp["top_k"][k]),
+                    top_p=float(inp["top_p"][k]), min_p=float(inp["min_p"][k]),
+                    repetition_penalty=float(inp["repetition_penalty"][k]),
+                    presence_penalty=float(inp["presence_penalty"][k]),
+                    frequency_penalty=float(inp["frequency_penalty"][k]), seed=None if seed < 0 else int(seed))
+        req = Request(f"pipe-{k}", _unpad(inp["prompt_token_ids"][k:k + 1])[0], params)
+        req.output_token_ids = _unpad(inp["output_token_ids"][k:k + 1])[0]
+        reqs.append(req)
+    return reqs
+
+
+def probe_sampler_pipeline(ctx, inp):
+    s = sv("sampler")
+    meta = s.SamplingMetadata.from_requests(_pipeline_requests(inp), ctx.vocab)
+    ids, _ = s.Sampler()(jnp.asarray(inp["logits"]), meta)
+    return {"ids": n(ids).astype(np.int64)}
+
+
 # ---- L2-L4 -------------------------------------------------------------------------------------
 
 def probe_decoder_layer_paged(ctx, inp):
@@ -243,6 +266,7 @@ PROBES = {
     "rope": probe_rope, "norm": probe_norm,
     **{f"sampler_{w}": _sampler_probe(w) for w in ("penalties", "temperature", "min_p", "top_k_top_p",
                                                    "greedy", "random")},
+    "sampler_pipeline": probe_sampler_pipeline,
     "decoder_layer_paged": probe_decoder_layer_paged,
     "prefill_t5": probe_prefill, "prefill_t17": probe_prefill, "prefill_t40": probe_prefill,
     "decode_logits": probe_decode_logits, "cache_state": probe_cache_state,

@@ -172,6 +172,57 @@ def _sampler_probe(which):
     return probe
 
 
+# Settings where the pipeline's order shows: a large min-p after a high temperature keeps far more
+# tokens than before it; top-k and top-p over penalised logits; some rows greedy, some unseeded.
+PIPELINE_PARAMS = (
+    dict(temperature=2.0, min_p=0.3), dict(temperature=2.5, min_p=0.5), dict(temperature=1.8, min_p=0.2, top_k=40),
+    dict(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5), dict(temperature=1.5, top_p=0.6, min_p=0.1), dict(temperature=0.5, min_p=0.4),
+    dict(temperature=1.2, top_k=8, top_p=0.7, repetition_penalty=1.3),
+    dict(temperature=2.0, min_p=0.25, presence_penalty=0.8, frequency_penalty=0.4),
+)
+
+
+def _sampler_pipeline_case(ctx):
+    """32 rows (8 settings x 4 output lengths, so 4 noise steps each); prompt/output ids padded with -1."""
+    r, V = rng_for("sampler_pipeline"), ctx.vocab
+    rows = [(i, params, steps) for steps in range(4) for i, params in enumerate(PIPELINE_PARAMS)]
+    names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty")
+    neutral = dict(top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+                   frequency_penalty=0.0)
+    col = {k: np.array([{**neutral, **p}[k] for _, p, _ in rows], np.int32 if k == "top_k" else np.float32)
+           for k in names}
+    prompts = [r.integers(0, V, int(r.integers(3, 12))).tolist() for _ in rows]
+    outputs = [r.integers(0, V, 2 * s + int(r.integers(0, 2))).tolist() for _, _, s in rows]
+    seeds = np.array([-1 if i % 3 == 0 else 1000 + 17 * k for k, (i, _, _) in enumerate(rows)], np.int64)
+    return {"logits": (r.standard_normal((len(rows), V)) * 2.5).astype(np.float32), **col, "seed": seeds,
+            "prompt_token_ids": _pad(prompts, 12), "output_token_ids": _pad(outputs, 8)}
+
+
+def _pipeline_requests(inp, sampling_params_cls, request_cls):
+    """The case's rows as serving requests (`request_id` "pipe-k"; seed -1 = unseeded)."""
+    reqs = []
+    for k, seed in enumerate(np.asarray(inp["seed"])):
+        params = sampling_params_cls(
+            temperature=float(inp["temperature"][k]), top_k=int(inp["top_k"][k]), top_p=float(inp["top_p"][k]),
+            min_p=float(inp["min_p"][k]), repetition_penalty=float(inp["repetition_penalty"][k]),
+            presence_penalty=float(inp["presence_penalty"][k]), frequency_penalty=float(inp["frequency_penalty"][k]),
+            seed=None if seed < 0 else int(seed))
+        req = request_cls(f"pipe-{k}", [int(x) for x in inp["prompt_token_ids"][k] if x >= 0], params)
+        req.output_token_ids = [int(x) for x in inp["output_token_ids"][k] if x >= 0]
+        reqs.append(req)
+    return reqs
+
+
+def probe_sampler_pipeline(ctx):
+    """The engine's own Sampler over SamplingMetadata.from_requests: the order of its stages, its noise."""
+    inp = _sampler_pipeline_case(ctx)
+    s = sv("sampler")
+    reqs = _pipeline_requests(inp, sv("config").SamplingParams, sv("request").Request)
+    ids, _ = s.Sampler()(t(inp["logits"]), s.SamplingMetadata.from_requests(reqs, ctx.vocab))
+    return inp, {"ids": n(ids).astype(np.int64)}
+
+
 # ---- L2 ----------------------------------------------------------------------------------------
 
 def probe_decoder_layer_paged(ctx):
@@ -289,7 +340,7 @@ PROBES = {
     "rope": probe_rope, "norm": probe_norm,
     **{f"sampler_{w}": _sampler_probe(w) for w in ("penalties", "temperature", "min_p", "top_k_top_p",
                                                    "greedy", "random")},
-    "decoder_layer_paged": probe_decoder_layer_paged,
+    "sampler_pipeline": probe_sampler_pipeline, "decoder_layer_paged": probe_decoder_layer_paged,
     **{name: _prefill_probe(name) for name in PROMPT_LENS},
     "decode_logits": probe_teacher_forced, "cache_state": probe_cache_state,
     "greedy_sequences": probe_greedy_sequences, "sampled_sequences": probe_sampled_sequences,
