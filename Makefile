@@ -2,6 +2,7 @@
 PY     := .venv/bin/python
 STAMP  := .venv/.installed-stamp
 TASK   ?= llama3-sft
+JOBS   ?= 2
 PYTEST := $(PY) -m pytest -q -p no:randomly
 
 .PHONY: venv record record-all grade grade-all sweep test test-full bench assets stale clean-venv
@@ -29,7 +30,7 @@ grade-all: venv       ## every recorded task graded, one report in reports/all (
 	$(PY) -m grader.grade_all $(if $(CANDIDATE),candidate=$(CANDIDATE),)
 
 sweep: venv           ## seeded-defect sweep of every recorded task (hours on 2 cores); last line defects_caught=N/M checks_tripped=K/L
-	$(PY) -m grader.sweep --all
+	$(PY) -m grader.sweep --all --jobs $(JOBS)
 
 stale: venv
 	$(PY) -m recorder stale=true

@@ -1,14 +1,16 @@
 """Seeded-defect sweep (DESIGN section 10): grade mutants of the oracles, report what the checks catch.
 
-    python -m grader.sweep task=llama3-sft [defects=id1,id2] [limit=N] [levels=L1,L3] [out=reports/sweep]
-    python -m grader.sweep all=true [defects=...] [limit=N]    # every task with a reference
-    (`--task NAME`, `--all`, `--defects a,b`, `--limit N`, `--levels ...`, `--out DIR` are the same options;
-    defects, limit and levels are for quick runs: a full sweep grades every applicable defect on all levels)
+    python -m grader.sweep task=llama3-sft [defects=id1,id2] [limit=N] [levels=L1,L3] [jobs=2] [out=reports/sweep]
+    python -m grader.sweep all=true [defects=...] [limit=N] [jobs=2]    # every task with a reference
+    (`--task NAME`, `--all`, `--defects a,b`, `--limit N`, `--levels ...`, `--jobs N`, `--out DIR` are the
+    same options; defects, limit and levels are for quick runs: a full sweep grades every applicable defect
+    on all levels; jobs grades that many mutants at once)
 
 The catalog is grader/defects.yaml (data, not code): each defect is one exact text edit to a copy
 of jax_oracles/, serving_engine/ and conversion/. Per task the clean oracle is graded once (all
 levels), then every defect that applies to the task's class, family and mode is graded on its own
-mutant, one after the other (a grade is one sandboxed child per level group; the CPU is shared).
+mutant, `jobs` at a time (a grade is one sandboxed child per level group). All grades of a run share
+one JAX persistent compilation cache, so a mutant recompiles only the programs its edit changed.
 
 A check is *tripped* by a defect when its score falls below the clean oracle's score on that check by
 more than the check's run-to-run noise: the reference check group's attribute "noise" when present,
@@ -27,10 +29,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,10 +158,12 @@ def _say(msg: str) -> None:
     print(msg, flush=True)  # progress of a long run, also when stdout is a file
 
 
-def sweep_task(task: str, defects, workdir: Path, progress=_say, levels: tuple[str, ...] | None = None) -> dict:
+def sweep_task(task: str, defects, workdir: Path, progress=_say, levels: tuple[str, ...] | None = None,
+               jobs: int = 1) -> dict:
     """Grade the clean oracle and every applicable defect of `defects` on `task` -> the sweep result
     (what write_reports renders). Mutants are built under workdir and removed after. `levels` restricts
-    every grade to those levels (quick runs and tests; L0/torch_free always runs); None = all levels."""
+    every grade to those levels (quick runs and tests; L0/torch_free always runs); None = all levels.
+    `jobs` mutants are graded at a time."""
     from grader.h5schema import read_reference
     from recorder.app import compose_task
 
@@ -175,8 +182,7 @@ def sweep_task(task: str, defects, workdir: Path, progress=_say, levels: tuple[s
     progress(f"[{task}] clean oracle: reward={clean_report['reward']:.6f} "
              f"({time.perf_counter() - started:.0f} s); {len(todo)} defects apply")
 
-    records = []
-    for i, d in enumerate(todo, 1):
+    def grade_defect(d: Defect) -> dict:
         t0 = time.perf_counter()
         mutant = make_mutant(d, workdir / f"mutant-{d.id}")
         try:
@@ -187,7 +193,7 @@ def sweep_task(task: str, defects, workdir: Path, progress=_say, levels: tuple[s
         tripped = sorted((k for k in clean if k in scores and scores[k]["score"] < clean[k]["score"] - noise[k]),
                          key=order)
         levels_tripped = sorted({k.split("/")[0] for k in tripped})
-        rec = {
+        return {
             "id": d.id, "description": d.description, "file": d.file, "expected_levels": list(d.levels),
             "reward": report["reward"], "reward_drop": clean_report["reward"] - report["reward"],
             "gated": bool(report.get("gated")), "caught": bool(tripped), "tripped": tripped,
@@ -198,10 +204,18 @@ def sweep_task(task: str, defects, workdir: Path, progress=_say, levels: tuple[s
             "reasons": {k: scores[k]["reason"] for k in tripped if scores[k].get("reason")},
             "seconds": time.perf_counter() - t0,
         }
-        records.append(rec)
-        progress(f"[{task}] {i}/{len(todo)} {d.id}: reward={rec['reward']:.6f} "
-                 f"{'caught' if rec['caught'] else 'NOT CAUGHT'}, {len(tripped)} checks tripped "
-                 f"(levels {','.join(levels_tripped) or '-'}; {rec['seconds']:.0f} s)")
+
+    # Each grade is a chain of sandboxed child processes: threads are enough to keep `jobs` of them busy.
+    records: dict[str, dict] = {}
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = {pool.submit(grade_defect, d): d for d in todo}
+        for done in as_completed(futures):
+            rec = done.result()
+            records[rec["id"]] = rec
+            progress(f"[{task}] {len(records)}/{len(todo)} {rec['id']}: reward={rec['reward']:.6f} "
+                     f"{'caught' if rec['caught'] else 'NOT CAUGHT'}, {len(rec['tripped'])} checks tripped "
+                     f"(levels {','.join(rec['levels_tripped']) or '-'}; {rec['seconds']:.0f} s)")
+    records = [records[d.id] for d in todo]  # catalog order, whatever order they finished in
 
     checks = {}
     for key in sorted(clean, key=order):
@@ -297,13 +311,33 @@ def _select(catalog: Catalog, ids: list[str] | None) -> list[Defect]:
     return defects
 
 
-def _run(task: str, catalog: Catalog, ids, limit, out_dir: Path, levels=None) -> dict:
+@contextmanager
+def shared_compile_cache():
+    """One JAX persistent compilation cache for every grade of a sweep (the sandboxed children inherit
+    the environment). Most of a mutant's functions are the oracle's, so their XLA programs come from
+    the cache; a program is keyed by its HLO, so an edited one compiles afresh. Removed afterwards."""
+    keys = {"JAX_COMPILATION_CACHE_DIR": None, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    saved = {k: os.environ.get(k) for k in keys}
+    with tempfile.TemporaryDirectory(prefix="t2j-sweep-xla-") as cache:
+        os.environ.update({k: v if v is not None else cache for k, v in keys.items()})
+        try:
+            yield Path(cache)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def _run(task: str, catalog: Catalog, ids, limit, out_dir: Path, levels=None, jobs: int = 1) -> dict:
     defects = _select(catalog, ids)
     if limit is not None:  # the first `limit` of those that apply to this task
         from recorder.app import compose_task
         defects = applicable(defects, compose_task(task))[:limit]
-    with tempfile.TemporaryDirectory(prefix=f"t2j-sweep-{task}-") as tmp:
-        result = sweep_task(task, defects, Path(tmp), levels=levels)
+    with tempfile.TemporaryDirectory(prefix=f"t2j-sweep-{task}-") as tmp, shared_compile_cache():
+        result = sweep_task(task, defects, Path(tmp), levels=levels, jobs=jobs)
     js, md = write_reports(result, out_dir, catalog.untripped_rationale)
     t = result["totals"]
     _say(f"[{task}] defects_caught={t['defects_caught']}/{t['defects']} "
@@ -313,13 +347,13 @@ def _run(task: str, catalog: Catalog, ids, limit, out_dir: Path, levels=None) ->
 
 def main_all(out_dir: Path = ROOT / "reports" / "sweep", ids: list[str] | None = None,
              limit: int | None = None, catalog: Catalog | None = None,
-             levels: tuple[str, ...] | None = None) -> tuple[int, int, int, int]:
+             levels: tuple[str, ...] | None = None, jobs: int = 1) -> tuple[int, int, int, int]:
     """Sweep every recorded task; last printed line `defects_caught=N/M checks_tripped=K/L`."""
     catalog = catalog or load_catalog()
     caught = total = 0
     checks: dict[tuple[str, str], bool] = {}
     for task in recorded_tasks():
-        r = _run(task, catalog, ids, limit, out_dir, levels)
+        r = _run(task, catalog, ids, limit, out_dir, levels, jobs)
         caught += r["totals"]["defects_caught"]
         total += r["totals"]["defects"]
         for key, c in r["checks"].items():
@@ -344,6 +378,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--defects", help="comma-separated defect ids (default: every applicable defect)")
     p.add_argument("--limit", type=int, help="at most this many applicable defects per task")
     p.add_argument("--levels", help="comma-separated levels to grade (quick runs; default: all)")
+    p.add_argument("--jobs", type=int, default=1, help="mutants graded at a time (default 1)")
     p.add_argument("--out", default=str(ROOT / "reports" / "sweep"), help="report directory")
     return p.parse_args(argv)
 
@@ -354,11 +389,11 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     levels = tuple(lv for lv in (args.levels or "").split(",") if lv) or None
     if str(args.all).lower() in ("true", "1", "yes"):
-        main_all(out, ids, args.limit, levels=levels)
+        main_all(out, ids, args.limit, levels=levels, jobs=args.jobs)
     elif args.task:
         if args.task not in recorded_tasks():
             raise SystemExit(f"no reference for task {args.task!r}; recorded: {', '.join(recorded_tasks())}")
-        _run(args.task, load_catalog(), ids, args.limit, out, levels)
+        _run(args.task, load_catalog(), ids, args.limit, out, levels, args.jobs)
     else:
         raise SystemExit("pass task=NAME or all=true (see python -m grader.sweep --help)")
 

@@ -192,11 +192,13 @@ def _sampler_pipeline_case(ctx):
                    frequency_penalty=0.0)
     col = {k: np.array([{**neutral, **p}[k] for _, p, _ in rows], np.int32 if k == "top_k" else np.float32)
            for k in names}
-    prompts = [r.integers(0, V, int(r.integers(3, 12))).tolist() for _ in rows]
+    logits = (r.standard_normal((len(rows), V)) * 2.5).astype(np.float32)
+    # Each prompt holds its row's top token, so a penalty can move even a greedy row's argmax.
+    prompts = [r.integers(0, V, int(r.integers(3, 12))).tolist() + [int(row.argmax())] for row in logits]
     outputs = [r.integers(0, V, 2 * s + int(r.integers(0, 2))).tolist() for _, _, s in rows]
     seeds = np.array([-1 if i % 3 == 0 else 1000 + 17 * k for k, (i, _, _) in enumerate(rows)], np.int64)
-    return {"logits": (r.standard_normal((len(rows), V)) * 2.5).astype(np.float32), **col, "seed": seeds,
-            "prompt_token_ids": _pad(prompts, 12), "output_token_ids": _pad(outputs, 8)}
+    return {"logits": logits, **col, "seed": seeds, "prompt_token_ids": _pad(prompts, 12),
+            "output_token_ids": _pad(outputs, 8)}
 
 
 def _pipeline_requests(inp, sampling_params_cls, request_cls):
