@@ -171,7 +171,9 @@ def _pipeline_requests(inp):
 
 def probe_sampler_pipeline(ctx, inp):
     s = sv("sampler")
-    meta = s.SamplingMetadata.from_requests(_pipeline_requests(inp), ctx.vocab)
+    # The vocabulary is the logits' width, not the model config's: a sampler check must not depend on the
+    # candidate's checkpoint loading.
+    meta = s.SamplingMetadata.from_requests(_pipeline_requests(inp), inp["logits"].shape[-1])
     ids, _ = s.Sampler()(jnp.asarray(inp["logits"]), meta)
     return {"ids": n(ids).astype(np.int64)}
 
