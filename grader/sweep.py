@@ -185,7 +185,7 @@ def sweep_task(task: str, defects, workdir: Path, progress=_say, levels: tuple[s
     clean = _scores(clean_report)
     noise = {k: _noise(ref, k, [clean, _scores(rerun)]) for k in clean}
     progress(f"[{task}] clean oracle: reward={clean_report['reward']:.6f}, rerun {rerun['reward']:.6f}, "
-             f"largest score gap {max(noise.values()):g} ({time.perf_counter() - started:.0f} s); "
+             f"largest check noise {max(noise.values()):g} ({time.perf_counter() - started:.0f} s); "
              f"{len(todo)} defects apply")
 
     def grade_defect(d: Defect) -> dict:
