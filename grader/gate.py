@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +120,11 @@ def _forbidden_imports(tree: ast.AST) -> list[tuple[int, str]]:
     return hits
 
 
+# CPython 3.11's parser is not safe to run from two threads at once (gh-106905: "AST constructor
+# recursion depth mismatch"), and the sweep grades mutants from a thread pool.
+_PARSE_LOCK = threading.Lock()
+
+
 def static_scan(candidate_root: str | Path) -> list[str]:
     """Offending imports as "relative/path.py:LINE: module", sorted; [] when clean.
 
@@ -129,12 +135,14 @@ def static_scan(candidate_root: str | Path) -> list[str]:
     offences = []
     for path in _python_files(root):
         rel = path.relative_to(root).as_posix()
-        try:
-            tree = ast.parse(path.read_bytes(), filename=rel)
-        except (SyntaxError, ValueError) as e:  # ValueError: null bytes, bad encoding
-            offences.append(f"{rel}: unparseable ({e})")
-            continue
-        offences += [f"{rel}:{line}: {module}" for line, module in sorted(_forbidden_imports(tree))]
+        source = path.read_bytes()
+        with _PARSE_LOCK:  # held over the scan too: it parses exec/eval string literals
+            try:
+                hits = _forbidden_imports(ast.parse(source, filename=rel))
+            except (SyntaxError, ValueError) as e:  # ValueError: null bytes, bad encoding
+                offences.append(f"{rel}: unparseable ({e})")
+                continue
+        offences += [f"{rel}:{line}: {module}" for line, module in sorted(hits)]
     return offences
 
 
