@@ -229,7 +229,8 @@ def sweep_task(task: str, defects, workdir: Path, progress=_say, levels: tuple[s
         checks[key] = {"clean_score": clean[key]["score"], "clean_reason": clean[key].get("reason"),
                        "noise": noise[key], "tripped_by": by}
     return {
-        "task": task, "task_class": task_class, "clean_reward": clean_report["reward"], "clean_rerun_reward": rerun["reward"],
+        "task": task, "task_class": task_class, "clean_reward": clean_report["reward"],
+        "clean_rerun_reward": rerun["reward"],
         "clean_earned_levels": clean_report["earned_levels"], "default_noise": DEFAULT_NOISE,
         "levels": list(levels) if levels else list(LEVELS), "defects": records, "checks": checks,
         "totals": {"defects_caught": sum(r["caught"] for r in records), "defects": len(records),

@@ -175,8 +175,9 @@ def _sampler_probe(which):
 # Settings where the pipeline's order shows: a large min-p after a high temperature keeps far more
 # tokens than before it; top-k and top-p over penalised logits; some rows greedy, some unseeded.
 PIPELINE_PARAMS = (
-    dict(temperature=2.0, min_p=0.3), dict(temperature=2.5, min_p=0.5), dict(temperature=1.8, min_p=0.2, top_k=40),
-    dict(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5), dict(temperature=1.5, top_p=0.6, min_p=0.1), dict(temperature=0.5, min_p=0.4),
+    dict(temperature=2.0, min_p=0.3), dict(temperature=2.5, min_p=0.5),
+    dict(temperature=1.8, min_p=0.2, top_k=40), dict(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5),
+    dict(temperature=1.5, top_p=0.6, min_p=0.1), dict(temperature=0.5, min_p=0.4),
     dict(temperature=1.2, top_k=8, top_p=0.7, repetition_penalty=1.3),
     dict(temperature=2.0, min_p=0.25, presence_penalty=0.8, frequency_penalty=0.4),
 )
