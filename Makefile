@@ -1,11 +1,15 @@
 # Everything runs from the project's own .venv, bootstrapped on first use.
 PY     := .venv/bin/python
 STAMP  := .venv/.installed-stamp
+# The torch-free verifier environment every sandboxed candidate child runs with (grader/sandbox.py).
+VENV_V := .venv-verifier
+VPY    := $(VENV_V)/bin/python
+VSTAMP := $(VENV_V)/.installed-stamp
 TASK   ?= llama3-sft
 JOBS   ?= 2
 PYTEST := $(PY) -m pytest -q -p no:randomly
 
-.PHONY: venv record record-all grade grade-all sweep test test-full bench assets stale clean-venv
+.PHONY: venv verifier sandbox record record-all grade grade-all sweep test test-full bench assets stale clean-venv
 
 venv: $(STAMP)
 
@@ -17,30 +21,43 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[torch,dev]'
 	touch $(STAMP)
 
+# Versions follow .venv's (its pip freeze as constraints); torch & co. are never installed here.
+$(VSTAMP): requirements-verifier.txt tools/check_verifier.py $(STAMP)
+	test -x $(VPY) || python3 -m venv $(VENV_V)
+	$(PY) -m pip freeze --exclude-editable > $(VENV_V)/constraints.txt
+	$(VPY) -m pip install -q -r requirements-verifier.txt -c $(VENV_V)/constraints.txt
+	$(VPY) -I tools/check_verifier.py
+	touch $(VSTAMP)
+
+verifier: $(VSTAMP)
+
+sandbox: verifier     ## what grading needs: the verifier env and bubblewrap (apt-get install where root)
+	tools/ensure_bwrap.sh
+
 record: venv          ## make record TASK=llama3-sft
 	$(PY) -m recorder task=$(TASK)
 
 record-all: venv      ## every task, one Hydra multirun in parallel (joblib launcher)
 	$(PY) -m recorder -m 'task=glob(*)' hydra/launcher=local
 
-grade: venv           ## make grade TASK=llama3-sft [CANDIDATE=path]
-	$(PY) -m grader task=$(TASK) $(if $(CANDIDATE),candidate=$(CANDIDATE),)
+grade: venv sandbox   ## make grade TASK=llama3-sft [CANDIDATE=path] [TRUSTED=true: no sandbox, oracles only]
+	$(PY) -m grader task=$(TASK) $(if $(CANDIDATE),candidate=$(CANDIDATE),) $(if $(TRUSTED),trusted=$(TRUSTED),)
 
-grade-all: venv       ## every recorded task graded, one report in reports/all (md, html, png) [CANDIDATE=path]
+grade-all: venv sandbox   ## every recorded task graded, one report in reports/all (md, html, png) [CANDIDATE=path]
 	$(PY) -m grader.grade_all $(if $(CANDIDATE),candidate=$(CANDIDATE),)
 
-sweep: venv           ## seeded-defect sweep of every recorded task (hours on 2 cores); last line defects_caught=N/M checks_tripped=K/L
+sweep: venv sandbox   ## seeded-defect sweep of every recorded task (hours on 2 cores); last line defects_caught=N/M checks_tripped=K/L
 	$(PY) -m grader.sweep --all --jobs $(JOBS)
 
 stale: venv
 	$(PY) -m recorder stale=true
 
-test: venv            ## the CI suite: fast tests + the static independence contract
+test: venv sandbox    ## the CI suite: fast tests + the static independence contract
 	$(PY) -m recorder stale=true
 	.venv/bin/lint-imports --config pyproject.toml
 	$(PYTEST) -m "not slow and not gpu"
 
-test-full: venv       ## everything, slow tests included (every recorded task graded)
+test-full: venv sandbox   ## everything, slow tests included (every recorded task graded)
 	$(PYTEST) -m "not gpu"
 
 bench: venv           ## torch vs JAX, side by side: SFT step time; serving decode tokens/s (both families)
@@ -54,4 +71,4 @@ assets: venv          ## regenerate the tiny checkpoints, tokenizer and datasets
 	$(PY) tools/make_checkpoints.py
 
 clean-venv:
-	rm -rf .venv
+	rm -rf .venv $(VENV_V)

@@ -1,4 +1,4 @@
-"""`python -m grader task=llama3-sft [candidate=PATH]`: last line is `reward=<4 decimals>`."""
+"""`python -m grader task=llama3-sft [candidate=PATH] [trusted=true]`: last line is `reward=<4 decimals>`."""
 import sys
 from pathlib import Path
 
@@ -12,6 +12,7 @@ CONFIGS = str(Path(__file__).resolve().parents[1] / "configs")
 def main(cfg: DictConfig) -> None:
     from grader.app import ROOT, grade
     from grader.h5schema import ReferenceError
+    from grader.sandbox import SandboxUnavailable
 
     if "task_name" not in cfg:
         from recorder.app import known_tasks
@@ -25,10 +26,13 @@ def main(cfg: DictConfig) -> None:
         report = grade(cfg, candidate, ROOT / cfg.references, ROOT / cfg.report_dir,
                        pass_bar=cfg.pass_bar, budget_factor=cfg.budget.factor, budget_min_s=cfg.budget.min_s,
                        spec_timeout=cfg.timeouts.spec, numeric_timeout=cfg.timeouts.numeric,
-                       check_timeout_s=cfg.timeouts.check)
+                       check_timeout_s=cfg.timeouts.check, trusted=bool(cfg.trusted))
     except ReferenceError as e:
         print(f"cannot grade {cfg.task_name}: {e}", file=sys.stderr)
         sys.exit(1)
+    except SandboxUnavailable as e:
+        print(f"refusing to grade {cfg.task_name}: no sandbox can be made here: {e}", file=sys.stderr)
+        sys.exit(2)
     print(f"reward={report['reward']:.4f}")
 
 

@@ -13,9 +13,10 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from grader import gate
+from grader import gate, sandbox
 from grader.checks import checks_for
-from grader.h5schema import Reference, read_arrays, read_reference, write_arrays
+from grader.exchange import UntrustedOutput, read_outputs
+from grader.h5schema import Reference, read_reference, write_arrays
 from grader.lattice import Check, earned_levels
 from grader.measures import score as measure_score
 from grader.reward import reward as compute_reward
@@ -75,13 +76,21 @@ def _score_check(spec, rec, produced: dict | None, error: str | None, band, seco
 def grade(cfg, candidate: Path, references: Path, report_dir: Path, pass_bar: float = 0.99,
           budget_factor: float = 5.0, budget_min_s: float = 120.0, spec_timeout: float = 120.0,
           numeric_timeout: float = 300.0, quiet: bool = False, levels: tuple[str, ...] | None = None,
-          check_timeout_s: float | None = None) -> dict:
+          check_timeout_s: float | None = None, only_checks: tuple[str, ...] | None = None, trusted: bool = False,
+          compile_cache: Path | None = None) -> dict:
     """Grade `candidate` on the task whose composed config is `cfg` (recorder or grader config).
 
     `levels` restricts the run to some levels (L0's torch_free gate always runs); the reward then
-    covers only the checks that ran. `check_timeout_s` caps each L0-L4 check inside the child
-    (grader/probes/common.py; default 120 s there); L5/L6 checks are capped by the time budget.
+    covers only the checks that ran; `only_checks` (names such as "rms_norm") restricts it further.
+    `check_timeout_s` caps each L0-L4 check inside the child (grader/probes/common.py; default
+    120 s there); L5/L6 checks are capped by the time budget.
+
+    Every child runs sealed (grader/sandbox.py); where no sandbox can be made this raises
+    SandboxUnavailable before anything runs, unless `trusted` (the oracles on such a machine: the
+    Python-level fence alone). `compile_cache` is the sweep's shared JAX cache (trusted mutants only).
     """
+    if not trusted:
+        sandbox.ensure_sandbox()  # refuse up front, never fall back silently
     from recorder.app import task_class  # torch-free modules (config + hashes only)
     from recorder.provenance import stale_reasons
 
@@ -101,13 +110,14 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, pass_bar: fl
         why = "independence gate: " + "; ".join(offences or [lint_text.strip().splitlines()[-1] if lint_text
                                                               else "import-linter failed"])
         results = [Check(s.level, s.name, s.aspect, s.measure, 0.0, why) for s in all_specs]
-        return _finish(task, candidate, results, ref, pass_bar, report_dir, stale, quiet, series, gated=why)
+        return _finish(task, candidate, results, ref, pass_bar, report_dir, stale, quiet, series, gated=why,
+                       trusted=trusted)
     results.append(Check("L0", "torch_free", "spec", "pass", 1.0, None))
 
     budget = max(budget_min_s, budget_factor * float(ref.attrs["wall_clock_s"]))
     for group in LEVEL_GROUPS[task_class(cfg)]:
         specs = [s for s in all_specs if s.level in group and s.key in ref.checks
-                 and (levels is None or s.level in levels)]
+                 and (levels is None or s.level in levels) and (only_checks is None or s.name in only_checks)]
         if not specs:
             continue
         if group == ("L0",):
@@ -117,12 +127,12 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, pass_bar: fl
         else:  # the per-check limit fires first for Python-level hangs; this backstop catches C-level ones
             timeout = max(numeric_timeout, (check_timeout_s or 0) * len(specs) + 60)
         produced, errors, seconds = _run_group(candidate, cfg, ref, references, specs, group, budget, timeout,
-                                               check_timeout_s)
+                                               check_timeout_s, trusted, compile_cache)
         for s in specs:
             series.update(_series(s.key, ref.checks[s.key].outputs, produced.get(s.key) or {}))
             results.append(_score_check(s, ref.checks[s.key], produced.get(s.key), errors.get(s.key), ref.band,
                                         float(seconds.get(s.key, 0.0))))
-    return _finish(task, candidate, results, ref, pass_bar, report_dir, stale, quiet, series)
+    return _finish(task, candidate, results, ref, pass_bar, report_dir, stale, quiet, series, trusted=trusted)
 
 
 def _series(key, reference: dict, produced: dict) -> dict:
@@ -135,42 +145,46 @@ def _series(key, reference: dict, produced: dict) -> dict:
     return out
 
 
-def _run_group(candidate, cfg, ref, ref_dir, specs, group, budget, timeout, check_timeout_s=None):
+def _run_group(candidate, cfg, ref, ref_dir, specs, group, budget, timeout, check_timeout_s=None, trusted=False,
+               compile_cache=None):
     with tempfile.TemporaryDirectory(prefix="t2j-grade-") as tmp:
         tmp = Path(tmp)
+        inputs_dir, out_dir = tmp / "inputs", tmp / "out"
+        out_dir.mkdir()
         assets = {}
         for key, rel in _asset_paths(cfg).items():  # copied: the child never sees the repo
-            dst = tmp / "inputs" / key
-            shutil.copytree(ROOT / rel, dst)
-            assets[key] = str(dst)
-        inputs = tmp / "inputs.h5"
+            shutil.copytree(ROOT / rel, inputs_dir / key)
+            assets[key] = key  # relative to the inputs directory, wherever the sandbox mounts it
         meta = {"task": _task_meta(cfg), "assets": assets, "checks": [s.key for s in specs],
                 "time_budget_s": budget}
         if check_timeout_s is not None:
             meta["check_timeout_s"] = float(check_timeout_s)
-        write_arrays(inputs, {s.key: ref.checks[s.key].inputs for s in specs}, attrs={"meta": meta})
-        outputs = tmp / "outputs.h5"
+        write_arrays(inputs_dir / "inputs.h5", {s.key: ref.checks[s.key].inputs for s in specs},
+                     attrs={"meta": meta})
         started = time.perf_counter()
-        res = gate.run_sandboxed(candidate, f"grader.probes.{cfg_class(cfg)}:main", inputs, outputs, timeout,
-                                 deny_read=(ref_dir,))
-        if not res.ok or not outputs.is_file():
+        res = gate.run_sandboxed(candidate, f"grader.probes.{cfg_class(cfg)}:main", inputs_dir, out_dir, timeout,
+                                 deny_read=(ref_dir,), trusted=trusted, compile_cache=compile_cache)
+        elapsed = time.perf_counter() - started
+        if not res.ok or res.outputs is None:
             reason = res.reason or "no outputs written"
-            return {}, {s.key: reason for s in specs}, {s.key: time.perf_counter() - started for s in specs}
-        groups, attrs = read_arrays(outputs)
-        errors = attrs.get("errors", {}) or {}
-        seconds = attrs.get("seconds", {}) or {}
-        return groups, errors, seconds
+            return {}, {s.key: reason for s in specs}, {s.key: elapsed for s in specs}
+        try:  # everything the child returns is untrusted data
+            return read_outputs(res.outputs, [s.key for s in specs])
+        except UntrustedOutput as e:
+            return {}, {s.key: f"untrusted output: {e}" for s in specs}, {s.key: elapsed for s in specs}
 
 
 def cfg_class(cfg) -> str:
     return cfg.method.task_class if "method" in cfg else cfg.mode.task_class
 
 
-def _finish(task, candidate, results, ref, pass_bar, report_dir, stale, quiet, series, gated=None) -> dict:
+def _finish(task, candidate, results, ref, pass_bar, report_dir, stale, quiet, series, gated=None,
+            trusted=False) -> dict:
     r = 0.0 if gated else compute_reward(results)
     levels = earned_levels(results, pass_bar=pass_bar)
     report = {"task": task, "candidate": str(candidate), "reward": r, "earned_levels": levels,
               "gated": gated, "stale_reference": stale, "pass_bar": pass_bar,
+              "isolation": "trusted: Python-level fence only" if trusted else "bubblewrap sandbox",
               "checks": [asdict(c) for c in results], "series": series}
     report_dir.mkdir(parents=True, exist_ok=True)
     (report_dir / f"{task}.json").write_text(json.dumps(report, indent=2, default=float))

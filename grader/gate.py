@@ -2,8 +2,10 @@
 
 Three layers, cheapest first:
 - static_scan: every .py file of the candidate's packages, parsed with ast, for imports of the
-  forbidden packages (import, from-import, importlib.import_module / __import__ with a literal
-  name, and literal source strings handed to exec/eval/compile);
+  forbidden packages: import, from-import, import_module / __import__ / runpy.run_module with a
+  name the file decides (literals, `+`, f-strings, joins, slices, names assigned those), programs
+  handed to exec/eval/compile or after "-c" in an argument list, and `import torch`-like text in
+  any other string (shell commands, files written and run);
 - run_import_linter: import-linter's forbidden contract over the candidate's packages, which
   follows chains (package a imports b, b imports torch);
 - run_sandboxed: the candidate runs in a child process on a temporary copy of its packages (never
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -32,7 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from grader import _guard
+from grader import _guard, sandbox
 
 __all__ = ["FORBIDDEN", "MIRROR_PACKAGES", "SandboxResult", "candidate_packages", "run_import_linter",
            "run_sandboxed", "static_scan"]
@@ -87,9 +90,93 @@ def _is_forbidden(name: str) -> bool:
     return name.partition(".")[0] in FORBIDDEN
 
 
-def _literal_str(call: ast.Call) -> str | None:
-    arg = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "name"), None)
-    return arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else None
+# `import torch`, `from torch import x`, `python -m torch.utils...` inside any string: a shell
+# command, a `-c` program, a file the candidate writes and runs.
+_IMPORT_IN_TEXT = re.compile(r"(?<![\w.])(?:import|from)\s+(" + "|".join(FORBIDDEN) + r")(?![\w])"
+                             r"|(?<![\w-])-m\s*(" + "|".join(FORBIDDEN) + r")(?![\w])")
+_IMPORT_CALLS = frozenset({"import_module", "__import__", "run_module"})  # importlib, builtins, runpy
+_CODE_CALLS = frozenset({"exec", "eval", "compile"})
+_MAX_VARIANTS = 64  # a name assigned many strings: the product of two such stays bounded
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                ids.add(id(first.value))
+    return ids
+
+
+class _Strings:
+    """The strings an expression can evaluate to, where that is decidable from the file alone:
+    literals, `+`, f-strings, `sep.join([...])`, constant slices (`"hcrot"[::-1]`), and names
+    assigned such expressions anywhere in the file (every assignment counts)."""
+
+    def __init__(self, tree: ast.AST):
+        self.names: dict[str, set[str]] = {}
+        assigns = [n for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None]
+        for _ in range(2):  # a second pass resolves names assigned from names
+            for node in assigns:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                values = self.of(node.value)
+                for t in targets:
+                    if isinstance(t, ast.Name) and values:
+                        self.names.setdefault(t.id, set()).update(values)
+
+    def of(self, node) -> set[str]:
+        try:
+            out = self._of(node)
+        except (TypeError, ValueError, IndexError, RecursionError):
+            return set()
+        return set(list(out)[:_MAX_VARIANTS])
+
+    def _of(self, node) -> set[str]:
+        if isinstance(node, ast.Constant):
+            if isinstance(node.value, str):
+                return {node.value}
+            return {node.value.decode("latin-1")} if isinstance(node.value, bytes) else set()
+        if isinstance(node, ast.Name):
+            return set(self.names.get(node.id, ()))
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            left, right = self.of(node.left), self.of(node.right)
+            return {a + b for a in left for b in right}
+        if isinstance(node, ast.JoinedStr):
+            parts = [self.of(v.value if isinstance(v, ast.FormattedValue) else v) for v in node.values]
+            out = {""}
+            for p in parts:
+                if not p:
+                    return set()
+                out = {a + b for a in out for b in p}
+            return out
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "join"
+                and len(node.args) == 1 and isinstance(node.args[0], (ast.List, ast.Tuple))):
+            seps = self.of(node.func.value)
+            out = {""}
+            for i, elt in enumerate(node.args[0].elts):
+                p = self.of(elt)
+                if not p:
+                    return set()
+                out = {a + (sep if i else "") + b for a in out for sep in seps for b in p}
+            return out
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice):
+            bounds = [None if b is None else ast.literal_eval(b) for b in
+                      (node.slice.lower, node.slice.upper, node.slice.step)]
+            return {v[slice(*bounds)] for v in self.of(node.value)}
+        return set()
+
+
+def _code_hits(text: str, line: int, depth: int) -> list[tuple[int, str]]:
+    """A string that is, or holds, a program: parsed when it parses, searched as text otherwise."""
+    hits = [(line, m.group(1) or m.group(2)) for m in _IMPORT_IN_TEXT.finditer(text)]
+    if depth < 3:
+        try:
+            inner = ast.parse(text)
+        except (SyntaxError, ValueError):
+            return hits
+        hits += [(line, m) for _, m in _forbidden_imports(inner, depth + 1)]
+    return hits
 
 
 def _call_name(call: ast.Call) -> str | None:
@@ -97,27 +184,41 @@ def _call_name(call: ast.Call) -> str | None:
     return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
 
 
-def _forbidden_imports(tree: ast.AST) -> list[tuple[int, str]]:
+def _first_arg(call: ast.Call):
+    return call.args[0] if call.args else next((k.value for k in call.keywords if k.arg in ("name", "source")), None)
+
+
+def _forbidden_imports(tree: ast.AST, depth: int = 0) -> list[tuple[int, str]]:
     hits = []
+    strings, docs = _Strings(tree), _docstrings(tree)
     for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
         if isinstance(node, ast.Import):
-            hits += [(node.lineno, a.name) for a in node.names if _is_forbidden(a.name)]
+            hits += [(line, a.name) for a in node.names if _is_forbidden(a.name)]
         elif isinstance(node, ast.ImportFrom):
             if node.level == 0 and node.module and _is_forbidden(node.module):
-                hits.append((node.lineno, node.module))
+                hits.append((line, node.module))
         elif isinstance(node, ast.Call):
-            name, literal = _call_name(node), _literal_str(node)
-            if literal is None:
+            name, arg = _call_name(node), _first_arg(node)
+            if arg is None:
                 continue
-            if name in ("import_module", "__import__") and _is_forbidden(literal):
-                hits.append((node.lineno, literal))
-            elif name in ("exec", "eval", "compile"):  # exec("import torch")
-                try:
-                    inner = ast.parse(literal)
-                except SyntaxError:
-                    continue
-                hits += [(node.lineno, m) for _, m in _forbidden_imports(inner)]
-    return hits
+            if name in _IMPORT_CALLS:  # import_module("tor" + "ch"), __import__(name) with name = "torch"
+                hits += [(line, v) for v in strings.of(arg) if _is_forbidden(v)]
+            elif name in _CODE_CALLS:  # exec("import torch")
+                for v in strings.of(arg):
+                    hits += _code_hits(v, line, depth)
+        elif isinstance(node, (ast.List, ast.Tuple)):  # [python, "-c", "import torch"], [python, "-m", "torch"]
+            for flag, program in zip(node.elts, node.elts[1:]):
+                flags = strings.of(flag)
+                if "-c" in flags:
+                    for v in strings.of(program):
+                        hits += _code_hits(v, line, depth)
+                if "-m" in flags:
+                    hits += [(line, v) for v in strings.of(program) if _is_forbidden(v)]
+        elif isinstance(node, (ast.Constant, ast.JoinedStr, ast.BinOp)) and id(node) not in docs:
+            for v in strings.of(node):  # shell commands and programs written to files
+                hits += [(line, m.group(1) or m.group(2)) for m in _IMPORT_IN_TEXT.finditer(v)]
+    return sorted(set(hits))
 
 
 # CPython 3.11's parser is not safe to run from two threads at once (gh-106905: "AST constructor
@@ -198,6 +299,7 @@ class SandboxResult:
     seconds: float
     stdout_tail: str
     stderr_tail: str = ""
+    outputs: Path | None = None  # the file the child wrote, on the grader's side: read it as untrusted
 
 
 _BOOTSTRAP = """\
@@ -213,6 +315,9 @@ _SITECUSTOMIZE = "import _t2j_gate_guard\n_t2j_gate_guard.install()\n"
 # Harmless interpreter settings kept; every other PYTHON* variable could re-point imports.
 _KEEP_PYTHON_VARS = frozenset({"PYTHONHASHSEED", "PYTHONUNBUFFERED", "PYTHONIOENCODING",
                                "PYTHONDONTWRITEBYTECODE", "PYTHONWARNINGS", "PYTHONFAULTHANDLER"})
+# What of the grader's environment a sealed child inherits: settings, never paths.
+_KEEP_SANDBOX_VARS = _KEEP_PYTHON_VARS | {"XLA_FLAGS", "OMP_NUM_THREADS", "TF_CPP_MIN_LOG_LEVEL"}
+_CACHE_VARS = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def _points_at_sources(entry: str, roots: list[Path]) -> bool:
@@ -292,53 +397,125 @@ def _failure_reason(returncode: int, stderr: str) -> str:
     return f"exit {returncode}: {_tail(stderr).strip()}"
 
 
-def run_sandboxed(candidate_root: str | Path, entry: str, inputs_path: str | Path,
-                  outputs_path: str | Path, timeout_s: float, *, include: tuple[str, ...] = (),
-                  jax_platforms: str | None = "cpu", deny_read: tuple[str | Path, ...] = ()) -> SandboxResult:
+def _stage(tmp: Path, root: Path, include: tuple[str, ...]) -> tuple[Path, Path, Path]:
+    """boot/ (the guard + sitecustomize), grader/ (a copy of this package), candidate/ (a copy)."""
+    boot, grader_parent, copy = tmp / "boot", tmp / "grader_pkg", tmp / "candidate"
+    boot.mkdir()
+    shutil.copy2(_guard.__file__, boot / "_t2j_gate_guard.py")
+    (boot / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+    shutil.copytree(Path(__file__).parent, grader_parent / "grader",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    _copy_candidate(root, copy, tuple(include))
+    return boot, grader_parent, copy
+
+
+def _sealed_command(root, entry, inputs_dir, inputs_name, outputs_dir, outputs_name, staged, jax_platforms,
+                    compile_cache) -> tuple[list[str], dict | None]:
+    """bwrap around the verifier interpreter; every path the child sees is a sandbox path."""
+    v = sandbox.ensure_sandbox()
+    view = sandbox.VIEW
+    boot, grader_parent, copy = staged
+    path = [view.boot, view.grader, view.candidate]
+    env = {k: v_ for k, v_ in os.environ.items() if k in _KEEP_SANDBOX_VARS}
+    env.update({"HOME": sandbox.HOME, "TMPDIR": "/tmp", "PATH": f"{view.venv}/bin:/usr/bin:/bin",
+                "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
+                "PYTHONPATH": os.pathsep.join(path),  # read only by grandchildren (the child runs -I)
+                _guard.ENV_FORBIDDEN: ",".join(FORBIDDEN)})
+    if jax_platforms is not None:
+        env["JAX_PLATFORMS"] = jax_platforms
+    if compile_cache is not None:
+        env.update(_CACHE_VARS, JAX_COMPILATION_CACHE_DIR=view.compile_cache)
+    code = _BOOTSTRAP.format(path=path, entry=entry, inputs=f"{view.inputs}/{inputs_name}",
+                             outputs=f"{view.out}/{outputs_name}")
+    gpu = jax_platforms is None or jax_platforms != "cpu"
+    cmd = sandbox.bwrap_command(v, boot=boot, grader=grader_parent, candidate=copy, inputs=inputs_dir,
+                                out=outputs_dir, env=env, argv=[f"{view.venv}/bin/python", "-I", "-c", code],
+                                compile_cache=compile_cache, gpu=gpu)
+    return cmd, None  # bwrap --clearenv builds the child's environment; bwrap itself needs none
+
+
+def _trusted_command(root, entry, inputs_dir, inputs_name, outputs_dir, outputs_name, staged, jax_platforms,
+                     deny_read, compile_cache) -> tuple[list[str], dict]:
+    """No namespaces: the verifier interpreter behind the Python-level fence only (trusted code)."""
+    v = sandbox.verifier()
+    boot, grader_parent, copy = staged
+    path = [str(boot), str(grader_parent), str(copy)]
+    env = _clean_env({
+        "PYTHONPATH": os.pathsep.join(path),
+        _guard.ENV_FORBIDDEN: ",".join(FORBIDDEN),
+        _guard.ENV_HIDE: os.pathsep.join([str(_REPO_ROOT), str(root)]),
+        _guard.ENV_DENY: os.pathsep.join(str(Path(d).resolve()) for d in (
+            _REPO_ROOT / "references", root / "references", *deny_read)),
+    }, candidate_root=root)
+    if jax_platforms is not None:
+        env["JAX_PLATFORMS"] = jax_platforms
+    if compile_cache is not None:
+        env.update(_CACHE_VARS, JAX_COMPILATION_CACHE_DIR=str(compile_cache))
+    code = _BOOTSTRAP.format(path=path, entry=entry, inputs=str(inputs_dir / inputs_name),
+                             outputs=str(outputs_dir / outputs_name))
+    return [str(v.python), "-I", "-c", code], env
+
+
+def run_sandboxed(candidate_root: str | Path, entry: str, inputs_dir: str | Path, outputs_dir: str | Path,
+                  timeout_s: float, *, inputs_name: str = "inputs.h5", outputs_name: str = "outputs.npz",
+                  include: tuple[str, ...] = (), jax_platforms: str | None = "cpu", trusted: bool = False,
+                  deny_read: tuple[str | Path, ...] = (), compile_cache: str | Path | None = None) -> SandboxResult:
     """Run `entry(inputs_path, outputs_path)` ("module:function") of a copy of the candidate.
 
-    The child is `sys.executable -I -c <bootstrap>` with cwd = the copy and sys.path starting
-    [guard, grader copy, candidate copy]; it cannot import FORBIDDEN packages nor connect a
-    socket, and sees neither the repo's packages nor its references. JAX_PLATFORMS is set to
-    `jax_platforms` (None keeps the caller's). `include` names extra top-level paths of the
-    candidate to copy (data such as configs/). A stale outputs file is removed first; a run that
-    exits 0 without writing it fails with reason "no output". Past `timeout_s` the child's whole
-    process group is killed and the reason is "timeout". The references/ directories of the repo
-    and of the candidate, and every directory in `deny_read`, cannot be opened, listed, linked or
-    renamed from the child (PermissionError; a run it kills fails as "reads references/").
+    Sealed (the default): the verifier interpreter inside bubblewrap (grader/sandbox.py), seeing
+    read-only only the system's programs, the verifier env, the guard, a copy of the grader and of
+    the candidate (its cwd) and `inputs_dir`, writing only into `outputs_dir`; the entry gets
+    "/t2j/inputs/<inputs_name>" and "/t2j/out/<outputs_name>". SandboxUnavailable where that cannot
+    be made. `trusted=True` (trusted code on a machine without namespaces, said out loud) runs the
+    same child behind the Python-level fence alone, where `deny_read` and the references/ of the
+    repo and of the candidate are refused by the guard's audit hook.
+
+    Either way the child runs `-I` with the guard installed first (forbidden imports and socket
+    connections fail with precise reasons), in its own session; past `timeout_s` its whole group
+    (under bwrap: its PID namespace) is killed and the reason is "timeout". JAX_PLATFORMS is set
+    to `jax_platforms` (None keeps the caller's). `include` names extra top-level paths of the
+    candidate to copy (data such as configs/). `outputs_dir` must be an empty directory; a run that
+    exits 0 without writing its file fails with reason "no output". `result.outputs` is that file,
+    to be read only with grader.exchange.read_outputs (or as untrusted data otherwise).
+    `compile_cache` shares one writable JAX compilation cache between children: a channel from one
+    child to the next, so only for the sweep's own mutants, never for a candidate.
     """
     root = Path(candidate_root).resolve()
-    inputs, outputs = Path(inputs_path).resolve(), Path(outputs_path).resolve()
-    if "references" in inputs.parts:
-        raise ValueError(f"{inputs} lies under references/: the child gets an inputs-only file")
-    outputs.unlink(missing_ok=True)
+    inputs_dir, outputs_dir = Path(inputs_dir).resolve(), Path(outputs_dir).resolve()
+    if "references" in inputs_dir.parts:
+        raise ValueError(f"{inputs_dir} lies under references/: the child gets an inputs-only directory")
+    if not inputs_dir.is_dir() or not (inputs_dir / inputs_name).is_file():
+        raise ValueError(f"{inputs_dir / inputs_name} is not an inputs file in an inputs directory")
+    if not outputs_dir.is_dir() or any(outputs_dir.iterdir()):
+        raise ValueError(f"{outputs_dir} must be an empty directory")
+    cache = Path(compile_cache).resolve() if compile_cache is not None else None
     with tempfile.TemporaryDirectory(prefix="t2j-sandbox-") as tmp:
         tmp = Path(tmp)
-        boot, grader_parent, copy = tmp / "boot", tmp / "grader_pkg", tmp / "candidate"
-        boot.mkdir()
-        shutil.copy2(_guard.__file__, boot / "_t2j_gate_guard.py")
-        (boot / "sitecustomize.py").write_text(_SITECUSTOMIZE)
-        shutil.copytree(Path(__file__).parent, grader_parent / "grader",
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        _copy_candidate(root, copy, tuple(include))
-        path = [str(boot), str(grader_parent), str(copy)]
-        env = _clean_env({
-            "PYTHONPATH": os.pathsep.join(path),  # read only by grandchildren (the child runs -I)
-            _guard.ENV_FORBIDDEN: ",".join(FORBIDDEN),
-            _guard.ENV_HIDE: os.pathsep.join([str(_REPO_ROOT), str(root)]),
-            _guard.ENV_DENY: os.pathsep.join(str(Path(d).resolve()) for d in (
-                _REPO_ROOT / "references", root / "references", *deny_read)),
-        }, candidate_root=root)
-        if jax_platforms is not None:
-            env["JAX_PLATFORMS"] = jax_platforms
-        code = _BOOTSTRAP.format(path=path, entry=entry, inputs=str(inputs), outputs=str(outputs))
+        staged = _stage(tmp, root, tuple(include))
+        args = (root, entry, inputs_dir, inputs_name, outputs_dir, outputs_name, staged, jax_platforms)
+        if trusted:
+            cmd, env = _trusted_command(*args, deny_read, cache)
+            cwd = staged[2]
+        else:
+            cmd, env = _sealed_command(*args, cache)
+            cwd = tmp
+        pass_fds = ()
+        if not trusted:  # bwrap reads its options from a descriptor: /proc/1/cmdline names no host path
+            split = cmd.index("--")
+            args = tmp / "bwrap.args"
+            args.write_bytes(b"".join(os.fsencode(a) + b"\0" for a in cmd[1:split]))
+            pass_fds = (os.open(args, os.O_RDONLY | os.O_CLOEXEC),)
+            cmd = [cmd[0], "--args", str(pass_fds[0]), *cmd[split:]]
         out_log, err_log = tmp / "stdout.log", tmp / "stderr.log"
         start = time.perf_counter()
         with open(out_log, "wb") as out, open(err_log, "wb") as err:
             # own session: on timeout the whole group goes, including anything the entry spawned
-            proc = subprocess.Popen([sys.executable, "-I", "-c", code], cwd=copy, env=env,
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    start_new_session=True)
+            try:
+                proc = subprocess.Popen(cmd, cwd=cwd, env=env if env is not None else {}, stdin=subprocess.DEVNULL,
+                                        stdout=out, stderr=err, start_new_session=True, pass_fds=pass_fds)
+            finally:
+                for fd in pass_fds:
+                    os.close(fd)
             try:
                 returncode = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -350,12 +527,14 @@ def run_sandboxed(candidate_root: str | Path, entry: str, inputs_path: str | Pat
                 proc.wait()
         seconds = time.perf_counter() - start
         stdout, stderr = _read_end(out_log), _read_end(err_log)
+    produced = outputs_dir / outputs_name
     if returncode is None:
         reason = "timeout"
     elif returncode != 0:
         reason = _failure_reason(returncode, stderr)
-    elif not outputs.exists():
+    elif not os.path.lexists(produced):
         reason = "no output"
     else:
         reason = None
-    return SandboxResult(reason is None, reason, seconds, _tail(stdout), _tail(stderr))
+    return SandboxResult(reason is None, reason, seconds, _tail(stdout), _tail(stderr),
+                         produced if os.path.lexists(produced) else None)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -153,9 +152,10 @@ def _scores(report: dict) -> dict[str, dict]:
     return {f'{c["level"]}/{c["name"]}': c for c in report["checks"]}
 
 
-def _grade(cfg, candidate: Path, report_dir: Path, levels) -> dict:
+def _grade(cfg, candidate: Path, report_dir: Path, levels, compile_cache: Path | None = None) -> dict:
     from grader.app import grade
-    return grade(cfg, candidate, ROOT / "references", report_dir, quiet=True, levels=levels)
+    return grade(cfg, candidate, ROOT / "references", report_dir, quiet=True, levels=levels,
+                 compile_cache=compile_cache)
 
 
 def _say(msg: str) -> None:
@@ -163,11 +163,11 @@ def _say(msg: str) -> None:
 
 
 def sweep_task(task: str, defects, workdir: Path, progress=_say, levels: tuple[str, ...] | None = None,
-               jobs: int = 1) -> dict:
+               jobs: int = 1, compile_cache: Path | None = None) -> dict:
     """Grade the clean oracle and every applicable defect of `defects` on `task` -> the sweep result
     (what write_reports renders). Mutants are built under workdir and removed after. `levels` restricts
     every grade to those levels (quick runs and tests; L0/torch_free always runs); None = all levels.
-    `jobs` mutants are graded at a time."""
+    `jobs` mutants are graded at a time; `compile_cache` is one JAX cache directory they all share."""
     from grader.h5schema import read_reference
     from recorder.app import compose_task
 
@@ -181,7 +181,8 @@ def sweep_task(task: str, defects, workdir: Path, progress=_say, levels: tuple[s
 
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=2) as pool:  # the clean oracle twice: its run-to-run noise
-        clean_report, rerun = pool.map(lambda i: _grade(cfg, ROOT, workdir / f"reports-clean-{i}", levels), (0, 1))
+        clean_report, rerun = pool.map(lambda i: _grade(cfg, ROOT, workdir / f"reports-clean-{i}", levels,
+                                                                 compile_cache), (0, 1))
     clean = _scores(clean_report)
     noise = {k: _noise(ref, k, [clean, _scores(rerun)]) for k in clean}
     progress(f"[{task}] clean oracle: reward={clean_report['reward']:.6f}, rerun {rerun['reward']:.6f}, "
@@ -192,7 +193,7 @@ def sweep_task(task: str, defects, workdir: Path, progress=_say, levels: tuple[s
         t0 = time.perf_counter()
         mutant = make_mutant(d, workdir / f"mutant-{d.id}")
         try:
-            report = _grade(cfg, mutant, workdir / f"reports-{d.id}", levels)
+            report = _grade(cfg, mutant, workdir / f"reports-{d.id}", levels, compile_cache)
         finally:
             shutil.rmtree(mutant, ignore_errors=True)
         scores = _scores(report)
@@ -320,22 +321,13 @@ def _select(catalog: Catalog, ids: list[str] | None) -> list[Defect]:
 
 @contextmanager
 def shared_compile_cache():
-    """One JAX persistent compilation cache for every grade of a sweep (the sandboxed children inherit
-    the environment). Most of a mutant's functions are the oracle's, so their XLA programs come from
-    the cache; a program is keyed by its HLO, so an edited one compiles afresh. Removed afterwards."""
-    keys = {"JAX_COMPILATION_CACHE_DIR": None, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-    saved = {k: os.environ.get(k) for k in keys}
+    """One JAX persistent compilation cache for every grade of a sweep, bound writable into each
+    sandboxed child. Most of a mutant's functions are the oracle's, so their XLA programs come from
+    the cache; a program is keyed by its HLO, so an edited one compiles afresh. A shared writable
+    directory is a channel from one child to the next: the sweep grades only its own mutants of
+    the oracles, so it may; the grader never does this for a candidate. Removed afterwards."""
     with tempfile.TemporaryDirectory(prefix="t2j-sweep-xla-") as cache:
-        os.environ.update({k: v if v is not None else cache for k, v in keys.items()})
-        try:
-            yield Path(cache)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        yield Path(cache)
 
 
 def _run(task: str, catalog: Catalog, ids, limit, out_dir: Path, levels=None, jobs: int = 1) -> dict:
@@ -343,8 +335,8 @@ def _run(task: str, catalog: Catalog, ids, limit, out_dir: Path, levels=None, jo
     if limit is not None:  # the first `limit` of those that apply to this task
         from recorder.app import compose_task
         defects = applicable(defects, compose_task(task))[:limit]
-    with tempfile.TemporaryDirectory(prefix=f"t2j-sweep-{task}-") as tmp, shared_compile_cache():
-        result = sweep_task(task, defects, Path(tmp), levels=levels, jobs=jobs)
+    with tempfile.TemporaryDirectory(prefix=f"t2j-sweep-{task}-") as tmp, shared_compile_cache() as cache:
+        result = sweep_task(task, defects, Path(tmp), levels=levels, jobs=jobs, compile_cache=cache)
     js, md = write_reports(result, out_dir, catalog.untripped_rationale)
     t = result["totals"]
     _say(f"[{task}] defects_caught={t['defects_caught']}/{t['defects']} "

@@ -1,9 +1,22 @@
-"""The grader against cheating or broken candidates: each is a copy of the oracles with one planted
-cheat, graded on the few levels it touches. The grader must always return a report, score the
-cheat 0 (or well below the bar) with a reason that names it, and leave the untouched checks alone."""
+"""The grader against cheating or broken candidates.
+
+Each cheat is a copy of the oracles with one check's implementation (llama3's rms_norm, unless
+said otherwise) replaced by a cheat with no honest fallback: it gets the answer through a channel
+that a Python-level fence does not close (a spawned interpreter that skips the guard, an edited
+sys.meta_path, C-level reads of the references, git's object store, another copy on disk, a
+report, a loopback service, a cache left by an earlier child). Every cheat is graded twice:
+- sealed (the default): it scores 0 on its check, with the reason printed;
+- trusted (the Python-level fence alone, as on a machine without namespaces): it scores full
+  marks. That control proves the cheat is real, so its sealed 0 is the kernel boundary's doing.
+The grader must always return a report and leave the untouched checks alone.
+"""
+import io
 import json
 import shutil
+import socket
+import sysconfig
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -12,10 +25,13 @@ import numpy as np
 import pytest
 
 from grader.app import grade
-from grader.gate import run_sandboxed, static_scan
-from grader.h5schema import read_arrays, write_arrays
+from grader.exchange import read_outputs
+from grader.gate import static_scan
+from grader.h5schema import read_reference, write_arrays
 from grader.probes.common import run_probes
 from recorder.app import compose_task
+
+pytestmark = pytest.mark.sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = "llama3-sft"
@@ -25,6 +41,9 @@ L1 = ("rms_norm", "rope", "mlp", "attention_core", "lora_linear", "data_tokens",
 # the mlp check loads the params, which traces the whole model (conversion: jax.eval_shape(model.init)),
 # so a cheat inside rms_norm that raises reaches it too
 BESIDE_RMS_NORM = ("rope", "attention_core", "lora_linear", "data_tokens", "data_labels", "collate")
+DEV_SITE = sysconfig.get_paths()["purelib"]  # the dev venv's site-packages: torch lives there
+ANSWER = "L1/rms_norm/outputs/y"
+TORCH = '"".join(map(chr, (116, 111, 114, 99, 104)))'  # "torch", spelled so that no file decides it
 
 
 def _candidate(tmp_path: Path) -> Path:
@@ -43,11 +62,11 @@ def _plant(cand: Path, rel: str, anchor: str, code: str, indent: str = "    ") -
     p.write_text(text.replace(anchor, anchor + body))
 
 
-def _grade(cand, tmp_path, levels, **kw) -> dict:
-    report = grade(compose_task(TASK), cand, ROOT / "references", tmp_path / "reports", quiet=True,
-                   levels=levels, **kw)
+def _grade(cand, tmp_path, levels, task=TASK, **kw) -> dict:
+    report_dir = tmp_path / f"reports-{time.monotonic_ns()}"
+    report = grade(compose_task(task), cand, ROOT / "references", report_dir, quiet=True, levels=levels, **kw)
     # the grader returned a full report and wrote it, whatever the candidate did
-    assert json.loads((tmp_path / "reports" / f"{TASK}.json").read_text())["checks"] == report["checks"]
+    assert json.loads((report_dir / f"{task}.json").read_text())["checks"] == report["checks"]
     assert report["checks"] and all(0.0 <= c["score"] <= 1.0 for c in report["checks"])
     return report
 
@@ -61,12 +80,19 @@ def _assert_untouched(checks: dict, *names) -> None:
         assert checks[name]["score"] >= 0.999 and checks[name]["reason"] is None, checks[name]
 
 
-# ---------------------------------------------------------------- (a) torch imported at run time
+def _spelled(path: Path) -> str:
+    """A Python expression that builds `path` at run time from pieces: no literal for the static scan,
+    and no single string naming references/ for the guard's spawn check."""
+    parts = [p[:2] + '" + "' + p[2:] if len(p) > 2 else p for p in path.parts[1:]]
+    return "os.path.join(os.sep, " + ", ".join(f'"{p}"' for p in parts) + ")"
+
+
+# ---------------------------------------------------------------- (a) torch at run time
 
 def test_a_torch_import_built_at_run_time_scores_zero_on_its_check(tmp_path):
     cand = _candidate(tmp_path)
-    _plant(cand, LLAMA, RMS_NORM_DEF, '__import__("importlib").import_module("tor" + "ch")')
-    assert static_scan(cand) == []  # the name is built at run time: only the sandbox can stop it
+    _plant(cand, LLAMA, RMS_NORM_DEF, '__import__("importlib").import_module("".join(map(chr, (116, 111, 114, 99, 104))))')
+    assert static_scan(cand) == []  # undecidable from the file: only the child can stop it
     report = _grade(cand, tmp_path, ("L1",))
     checks = _by_name(report)
     assert checks["rms_norm"]["score"] == 0.0
@@ -74,130 +100,310 @@ def test_a_torch_import_built_at_run_time_scores_zero_on_its_check(tmp_path):
     _assert_untouched(checks, *BESIDE_RMS_NORM)
 
 
-# ---------------------------------------------------------------- (b) reading references/
+# The torch twin of rms_norm, run wherever a cheat manages to import torch.
+_TORCH_RMS = """\
+import sys
+sys.path[:0] = SITES
+import numpy as np
+t = __import__(TORCH)
+d = np.load(sys.argv[1])
+x, w = t.from_numpy(d["x"]), t.from_numpy(d["w"])
+np.save(sys.argv[2], (x * t.rsqrt(x.pow(2).mean(-1, keepdim=True) + float(d["eps"])) * w).numpy())
+"""
 
-# The answer would score 1 if the file could be read: the cheat returns the recorded output itself.
-_READ_BY = {
-    "open": """
-        with open(path, "rb") as f:
-            blob = io.BytesIO(f.read())
-        with h5py.File(blob, "r") as f:
-            return f["L1/rms_norm/outputs/y"][()]
-        """,
-    "h5py": """
-        with h5py.File(path, "r") as f:
-            return f["L1/rms_norm/outputs/y"][()]
+
+def _torch_prog(sites) -> str:
+    return _TORCH_RMS.replace("SITES", repr(list(sites))).replace("TORCH", TORCH)
+
+
+_SPAWN_PRELUDE = """
+import os, subprocess, sys, tempfile
+import numpy as np
+scratch = tempfile.mkdtemp()
+src, dst = os.path.join(scratch, "in.npz"), os.path.join(scratch, "out.npy")
+np.savez(src, x=np.asarray(x), w=np.asarray(weight), eps=np.float32(eps))
+"""
+
+# Each spawns an interpreter that the in-process guard never reaches, imports torch there (from the
+# dev venv, a path it knows) and computes the answer.
+_SPAWNS = {
+    "-I": "subprocess.run([sys.executable, '-I', '-c', PROG, src, dst], check=True, capture_output=True)",
+    "-S": "subprocess.run([sys.executable, '-S', '-c', PROG, src, dst], check=True, capture_output=True)",
+    # the dev venv's interpreter with an empty environment: no PYTHONPATH, so no sitecustomize guard
+    "another python": "subprocess.run([DEV_PYTHON, '-c', PROG, src, dst], check=True, capture_output=True, env={})",
+    "posix_spawn": """
+        pid = os.posix_spawn(sys.executable, [sys.executable, '-I', '-c', PROG, src, dst], {})
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "the spawned interpreter failed"
         """,
 }
 
 
-@pytest.mark.parametrize("how", sorted(_READ_BY))
-def test_reading_the_references_scores_zero(tmp_path, how):
-    cand = _candidate(tmp_path)
-    parts = list(ROOT.parts)  # no literal path in the candidate: it is joined at run time
-    _plant(cand, LLAMA, RMS_NORM_DEF, textwrap.dedent(f"""
-        import io, os
-        import h5py
-        path = os.path.join(*{parts!r}, "refer" + "ences", "{TASK}" + ".h5")
-        """) + textwrap.dedent(_READ_BY[how]))
-    report = _grade(cand, tmp_path, ("L1",))
-    checks = _by_name(report)
-    assert checks["rms_norm"]["score"] == 0.0
-    assert "reads references/" in checks["rms_norm"]["reason"], checks["rms_norm"]
-    _assert_untouched(checks, *BESIDE_RMS_NORM)
+def _torch_cheats() -> dict[str, str]:
+    cheats = {}
+    for how, spawn in _SPAWNS.items():
+        cheats[f"spawn {how}"] = (_SPAWN_PRELUDE + textwrap.dedent(spawn).strip() + "\nreturn np.load(dst)\n") \
+            .replace("PROG", repr(_torch_prog([DEV_SITE]))).replace(
+                "DEV_PYTHON", _spelled(ROOT / ".venv" / "bin" / "python"))
+    # a multiprocessing worker (spawn start method): a fresh interpreter that runs -I and never installs the
+    # guard, importing the repo's torch_sources next to torch
+    cheats["multiprocessing worker"] = f"""
+        import multiprocessing, os
+        import numpy as np
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            return pool.apply(_cheat_worker, (np.asarray(x), np.asarray(weight), float(eps),
+                                              [{DEV_SITE!r}, {_spelled(ROOT)}]))
+        """
+    # the guard's import blocker taken off sys.meta_path, then torch imported in process
+    cheats["sys.meta_path edited"] = f"""
+        import importlib, sys
+        import numpy as np
+        sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "BlockForbidden"]
+        sys.path[:0] = [{DEV_SITE!r}]
+        t = importlib.import_module({TORCH})
+        xt, wt = t.from_numpy(np.asarray(x)), t.from_numpy(np.asarray(weight))
+        return (xt * t.rsqrt(xt.pow(2).mean(-1, keepdim=True) + eps) * wt).numpy()
+        """
+    return cheats
 
 
-_CHANNELS = """
-import glob, json, os, pathlib, shutil, subprocess, sys
-import h5py
-import numpy as np
+_WORKER = f"""
 
-def attempts(d, scratch):
-    f = os.path.join(d, "ref.h5")
-    def symlink():
-        os.symlink(d, os.path.join(scratch, "alias"))
-        return open(os.path.join(scratch, "alias", "ref.h5"), "rb").read()
-    def chdir_then_open():
-        here = os.getcwd()
-        try:
-            os.chdir(d)
-            return open("ref.h5", "rb").read()
-        finally:
-            os.chdir(here)
-    return {
-        "open": lambda: open(f, "rb").read(),
-        "os.open": lambda: os.read(os.open(f, os.O_RDONLY), 8),
-        "dir_fd": lambda: os.read(os.open(os.path.join(os.path.basename(d), "ref.h5"), os.O_RDONLY,
-                                          dir_fd=os.open(os.path.dirname(d), os.O_RDONLY)), 8),
-        "pathlib": lambda: pathlib.Path(f).read_bytes(),
-        "numpy": lambda: np.fromfile(f, np.uint8).size,
-        "listdir": lambda: os.listdir(d),
-        "scandir": lambda: [e.name for e in os.scandir(d)],
-        "glob": lambda: glob.glob(os.path.join(d, "*")),
-        "copy": lambda: shutil.copy(f, os.path.join(scratch, "copy.h5")),
-        "hardlink": lambda: os.link(f, os.path.join(scratch, "hard.h5")) or True,
-        "symlink": symlink,
-        "chdir": chdir_then_open,
-        "h5py": lambda: h5py.File(f, "r")["x"][()].size,
-        "h5py.h5f": lambda: h5py.h5f.open(f.encode()),
-        "subprocess": lambda: subprocess.run(["cat", f], check=True, capture_output=True).stdout,
-        # the path goes through stdin, out of the spawn's sight: the child's own guard refuses it
-        "python child": lambda: subprocess.run(
-            [sys.executable, "-c", "import sys; open(sys.stdin.read(), 'rb').read()"],
-            input=f.encode(), check=True, capture_output=True),
-    }
-
-def main(inputs_path, outputs_path):
-    cfg = json.load(open(inputs_path))
-    result = {}
-    for name, attempt in attempts(cfg["dir"], cfg["scratch"]).items():
-        try:
-            result[name] = "read" if attempt() else "nothing"
-        except (PermissionError, subprocess.CalledProcessError) as e:
-            text = str(e) + str(getattr(e, "stderr", b"") or b"")
-            result[name] = "refused" if "reads references/" in text else f"other: {text[:200]}"
-        except Exception as e:
-            result[name] = f"other: {type(e).__name__}: {e}"[:200]
-    json.dump(result, open(outputs_path, "w"))
+def _cheat_worker(x, w, eps, paths):
+    import sys
+    sys.path[:0] = paths
+    import importlib
+    t = importlib.import_module({TORCH})
+    importlib.import_module({TORCH} + "_sources.models.llama3")
+    xt, wt = t.from_numpy(x), t.from_numpy(w)
+    return (xt * t.rsqrt(xt.pow(2).mean(-1, keepdim=True) + eps) * wt).numpy()
 """
 
 
-def _channels(tmp_path, deny: bool) -> dict:
-    secret, scratch = tmp_path / ("secret" if deny else "open"), tmp_path / f"scratch-{deny}"
-    secret.mkdir()
-    scratch.mkdir()
-    with h5py.File(secret / "ref.h5", "w") as f:
-        f["x"] = np.arange(3)
-    cand = tmp_path / f"cand-{deny}"
-    (cand / "jax_oracles").mkdir(parents=True)
-    (cand / "jax_oracles" / "__init__.py").write_text("")
-    (cand / "jax_oracles" / "entry.py").write_text(_CHANNELS)
-    inputs, outputs = tmp_path / f"in-{deny}.json", tmp_path / f"out-{deny}.json"
-    inputs.write_text(json.dumps({"dir": str(secret), "scratch": str(scratch)}))
-    res = run_sandboxed(cand, "jax_oracles.entry:main", inputs, outputs, 60.0,
-                        deny_read=(secret,) if deny else ())
-    assert res.ok, res.stderr_tail
-    return json.loads(outputs.read_text())
+def _read_answer(how: str, ref: Path) -> str:
+    """The recorded answer through one channel to the reference file at `ref`."""
+    grab = f'\nwith h5py.File(io.BytesIO(blob), "r") as f:\n    return f["{ANSWER}"][()]\n'
+    return {
+        # libc's open/read: C calls, out of the audit hook's sight
+        "ctypes": textwrap.dedent(f"""
+            import ctypes, io, os
+            import h5py
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = libc.open({_spelled(ref)}.encode(), os.O_RDONLY)
+            if fd < 0:
+                raise OSError(ctypes.get_errno(), "open failed")
+            buf, chunks = ctypes.create_string_buffer(1 << 20), []
+            while (got := libc.read(fd, buf, len(buf))) > 0:
+                chunks.append(buf.raw[:got])
+            libc.close(fd)
+            blob = b"".join(chunks)
+            """) + grab,
+        # an HDF5 external link: libhdf5 opens the target file itself
+        "hdf5 external link": textwrap.dedent(f"""
+            import os, tempfile
+            import h5py
+            p = os.path.join(tempfile.mkdtemp(), "link.h5")
+            with h5py.File(p, "w") as f:
+                f["y"] = h5py.ExternalLink({_spelled(ref)}, "/{ANSWER}")
+            with h5py.File(p, "r") as f:
+                return f["y"][()]
+            """),
+        # a shell assembles the path from two pieces no single string of which names references/
+        "shell": textwrap.dedent(f"""
+            import io, os, subprocess
+            import h5py
+            blob = subprocess.run(["sh", "-c", 'cat "$0/$1"', {_spelled(ref.parent.parent)},
+                                   "refer" + "ences/" + {ref.name!r}], check=True, capture_output=True).stdout
+            """) + grab,
+        # a hard link made relative to a directory descriptor, then read under its new name
+        "hard link via dir_fd": textwrap.dedent(f"""
+            import io, os, tempfile
+            import h5py
+            top = os.open({_spelled(ref.parent.parent)}, os.O_RDONLY)
+            dst = os.path.join(tempfile.mkdtemp(dir={_spelled(ref.parent.parent.parent)}), "h.h5")
+            os.link("refer" + "ences/" + {ref.name!r}, dst, src_dir_fd=top)
+            blob = open(dst, "rb").read()
+            os.unlink(dst)
+            """) + grab,
+        # git's object store holds every committed reference
+        "git cat-file": textwrap.dedent(f"""
+            import io, os, subprocess
+            import h5py
+            blob = subprocess.run(["git", "--git-dir", {_spelled(ref.parent.parent / ".git")}, "cat-file", "blob",
+                                   "HEAD:" + "refer" + "ences/" + {ref.name!r}], check=True, capture_output=True).stdout
+            """) + grab,
+        # the same file elsewhere on disk, where no deny list looks
+        "another copy": textwrap.dedent(f"""
+            import io, os
+            import h5py
+            blob = open({_spelled(ref)}, "rb").read()
+            """) + grab,
+    }[how]
 
 
-def test_every_python_file_channel_to_a_denied_directory_is_refused(tmp_path):
-    refused = _channels(tmp_path, deny=True)
-    # glob swallows the OSError and finds nothing; every other channel raises
-    assert not {k: v for k, v in refused.items() if v != ("nothing" if k == "glob" else "refused")}
-    allowed = _channels(tmp_path, deny=False)  # the same attempts on a directory not denied succeed
-    assert not {k: v for k, v in allowed.items() if v != "read"}
-    assert set(allowed) == set(refused) and len(refused) == 16
+READS = ("ctypes", "hdf5 external link", "shell", "hard link via dir_fd", "git cat-file", "another copy")
 
 
-def test_a_run_killed_by_reading_references_says_so(tmp_path):
-    cand = tmp_path / "cand"
-    (cand / "jax_oracles").mkdir(parents=True)
-    (cand / "jax_oracles" / "entry.py").write_text(
-        f"def main(inputs_path, outputs_path):\n    open({str(ROOT / 'references' / (TASK + '.h5'))!r}, 'rb')\n")
-    inputs = tmp_path / "in.json"
-    inputs.write_text("{}")
-    res = run_sandboxed(cand, "jax_oracles.entry:main", inputs, tmp_path / "out.json", 60.0)
-    assert not res.ok and res.reason == "reads references/", (res.reason, res.stderr_tail)
+def _cheat_source(how: str, tmp_path: Path) -> str:
+    if how in READS:
+        ref = ROOT / "references" / f"{TASK}.h5"
+        if how == "another copy":
+            ref = tmp_path / "elsewhere" / "copy.h5"
+            ref.parent.mkdir()
+            shutil.copy2(ROOT / "references" / f"{TASK}.h5", ref)
+        return _read_answer(how, ref)
+    if how == "report":  # a report left by an earlier grade (reports/<task>.json holds loss series)
+        report = tmp_path / "checkout" / "reports" / f"{TASK}.json"
+        report.parent.mkdir(parents=True)
+        y = read_reference(ROOT / "references" / f"{TASK}.h5").checks["L1/rms_norm"].outputs["y"]
+        report.write_text(json.dumps({"series": {"L1/rms_norm/y": {"reference": y.tolist()}}}))
+        return f"""
+            import json, os
+            import numpy as np
+            with open({_spelled(report)}) as f:
+                return np.asarray(json.load(f)["series"]["L1/rms_norm/y"]["reference"], np.float32)
+            """
+    return _torch_cheats()[how]
+
+
+CHEATS = (*(f"spawn {h}" for h in _SPAWNS), "multiprocessing worker", "sys.meta_path edited", *READS, "report")
+
+
+@pytest.mark.parametrize("how", CHEATS)
+def test_a_cheat_scores_zero_sealed_and_full_marks_behind_the_python_fence_alone(tmp_path, how):
+    cand = _candidate(tmp_path)
+    _plant(cand, LLAMA, RMS_NORM_DEF, _cheat_source(how, tmp_path))
+    if how == "multiprocessing worker":
+        with open(cand / LLAMA, "a") as f:
+            f.write(_WORKER)
+    assert static_scan(cand) == [], "the cheat must get past the static scan: only the child can stop it"
+
+    sealed = _by_name(_grade(cand, tmp_path, ("L1",), only_checks=("rms_norm",)))["rms_norm"]
+    print(f"{how}: sealed score {sealed['score']}, reason: {sealed['reason']}")
+    assert sealed["score"] == 0.0 and sealed["reason"], sealed
+
+    fenced = _by_name(_grade(cand, tmp_path, ("L1",), only_checks=("rms_norm",), trusted=True))["rms_norm"]
+    assert fenced["score"] >= 0.999, f"the cheat does not work even without the sandbox: {fenced}"
+
+
+# ---------------------------------------------------------------- a loopback service
+
+def _serve(payload: bytes) -> tuple[socket.socket, int]:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+
+    def loop():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:  # closed: the test is over
+                return
+            with conn:
+                conn.sendall(payload)
+
+    threading.Thread(target=loop, daemon=True).start()
+    return server, server.getsockname()[1]
+
+
+def test_a_loopback_service_reached_through_the_c_socket_module_is_out_of_reach(tmp_path):
+    y = read_reference(ROOT / "references" / f"{TASK}.h5").checks["L1/rms_norm"].outputs["y"]
+    buf = io.BytesIO()
+    np.save(buf, y)
+    server, port = _serve(buf.getvalue())
+    try:
+        cand = _candidate(tmp_path)
+        # _socket.socket is the C type under socket.socket: the guard's patch of the latter misses it
+        _plant(cand, LLAMA, RMS_NORM_DEF, f"""
+            import _socket, io
+            import numpy as np
+            s = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
+            s.connect(("127.0.0.1", {port}))
+            data = b""
+            while chunk := s.recv(1 << 16):
+                data += chunk
+            return np.load(io.BytesIO(data))
+            """)
+        sealed = _by_name(_grade(cand, tmp_path, ("L1",), only_checks=("rms_norm",)))["rms_norm"]
+        print(f"loopback service: sealed reason: {sealed['reason']}")
+        assert sealed["score"] == 0.0 and "Connection refused" in sealed["reason"], sealed
+        fenced = _by_name(_grade(cand, tmp_path, ("L1",), only_checks=("rms_norm",), trusted=True))["rms_norm"]
+        assert fenced["score"] >= 0.999, fenced
+    finally:
+        server.close()
+
+
+# ---------------------------------------------------------------- a cache left by an earlier child
+
+SERVING_RUNNER = "serving_engine/model_runner.py"
+GENERATE_DEF = ("    def generate(self, prompts: Sequence[Sequence[int]],\n"
+                "                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None)"
+                " -> list[RequestOutput]:\n")
+
+
+def test_a_cache_left_in_home_or_tmp_by_one_child_is_gone_for_the_next(tmp_path, monkeypatch):
+    # Serving L6 teacher-forces the reference's greedy continuations, so its inputs carry most of the
+    # L5 answer. The cheat stashes every teacher-forced (prompt, continuation) in $HOME and /tmp during
+    # an L6 grade, and L5's generate answers from the stash on the next grade: no honest fallback.
+    cand = _candidate(tmp_path)
+    _plant(cand, SERVING_RUNNER, '         tokens in logical order)."""\n', """
+        import json, os
+        for where in (os.path.expanduser("~"), "/tmp"):
+            with open(os.path.join(where, ".t2j-stash.jsonl"), "a") as f:
+                f.write(json.dumps([list(map(int, prompt)), list(map(int, continuation))]) + "\\n")
+        """, indent=" " * 8)
+    _plant(cand, "serving_engine/engine.py", GENERATE_DEF, """
+        import json, os
+        stash = {}
+        for where in (os.path.expanduser("~"), "/tmp"):
+            path = os.path.join(where, ".t2j-stash.jsonl")
+            if os.path.exists(path):
+                for line in open(path):
+                    p, c = json.loads(line)
+                    stash[tuple(p)] = c
+        outs = []
+        for prompt, params in zip(prompts, sampling_params):
+            cont = stash[tuple(int(t) for t in prompt)]  # KeyError: nothing was left behind
+            cont = (cont + cont[-1:] * params.max_tokens)[:params.max_tokens]
+            outs.append(type("Out", (), {"output_token_ids": cont, "finished": True})())
+        return outs
+        """, indent=" " * 8)
+    sealed6 = _by_name(_grade(cand, tmp_path, ("L6",), task="llama3-core", only_checks=("next_token_dists",)), "L6")
+    assert sealed6["next_token_dists"]["score"] >= 0.999  # the stash is written; L6 itself is honest
+    sealed5 = _by_name(_grade(cand, tmp_path, ("L5",), task="llama3-core", only_checks=("greedy_sequences",)),
+                       "L5")["greedy_sequences"]
+    print(f"cache: sealed reason: {sealed5['reason']}")
+    assert sealed5["score"] == 0.0 and "KeyError" in sealed5["reason"], sealed5
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the fenced control's cache lands here, not in ~
+    (tmp_path / "home").mkdir()
+    _grade(cand, tmp_path, ("L6",), task="llama3-core", only_checks=("next_token_dists",), trusted=True)
+    fenced5 = _by_name(_grade(cand, tmp_path, ("L5",), task="llama3-core", only_checks=("greedy_sequences",),
+                              trusted=True), "L5")["greedy_sequences"]
+    assert fenced5["score"] >= 0.9, fenced5  # 11 of every 12 greedy tokens come from the L6 inputs
+    for stale in (Path("/tmp/.t2j-stash.jsonl"),):
+        stale.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- the exchange: outputs are untrusted data
+
+def test_an_output_file_swapped_for_a_link_to_the_references_scores_zero(tmp_path):
+    cand = _candidate(tmp_path)
+    # at exit the child replaces its outputs with a symlink to the reference: a grader that followed it
+    # would read recorded answers as the candidate's
+    _plant(cand, LLAMA, RMS_NORM_DEF, f"""
+        import atexit, os, sys
+        frame = sys._getframe()
+        while "outputs_path" not in frame.f_locals:
+            frame = frame.f_back
+        out = frame.f_locals["outputs_path"]
+        def swap():
+            os.unlink(out)
+            os.symlink({str(ROOT / "references" / f"{TASK}.h5")!r}, out)
+        atexit.register(swap)
+        """)
+    checks = _by_name(_grade(cand, tmp_path, ("L1",)))
+    for c in checks.values():
+        assert c["score"] == 0.0 and c["reason"].startswith("untrusted output: cannot open"), c
 
 
 # ---------------------------------------------------------------- (c) echoing the inputs
@@ -228,7 +434,7 @@ def test_a_hanging_check_times_out_alone(tmp_path):
 
 
 def test_run_probes_limits_each_check_and_keeps_going(tmp_path):
-    inputs, outputs = tmp_path / "in.h5", tmp_path / "out.h5"
+    inputs, outputs = tmp_path / "in.h5", tmp_path / "out.npz"
     checks = ["L1/spin", "L1/swallow", "L1/stubborn", "L1/fine", "L5/slow", "L1/crash"]
     write_arrays(inputs, {}, attrs={"meta": {"checks": checks, "check_timeout_s": 0.3, "time_budget_s": 0.6}})
 
@@ -259,12 +465,11 @@ def test_run_probes_limits_each_check_and_keeps_going(tmp_path):
     started = time.perf_counter()
     run_probes(inputs, outputs, lambda meta: None, probes)
     assert time.perf_counter() - started < 8.0
-    groups, attrs = read_arrays(outputs)
-    errors = attrs["errors"]
+    groups, errors, seconds = read_outputs(outputs, checks)
     assert set(groups) == {"L1/fine"} and np.array_equal(groups["L1/fine"]["y"], np.ones(2))
     for key in ("L1/spin", "L1/swallow", "L1/stubborn", "L5/slow"):
         assert errors[key].startswith("timeout"), errors
-    assert 0.6 <= attrs["seconds"]["L5/slow"] < 3.0  # L5/L6 are limited by the budget, not check_timeout_s
+    assert 0.6 <= seconds["L5/slow"] < 3.0  # L5/L6 are limited by the budget, not check_timeout_s
     assert errors["L1/crash"].startswith("crash: ZeroDivisionError")
 
 

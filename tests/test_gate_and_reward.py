@@ -168,16 +168,20 @@ def test_import_linter_follows_namespace_packages(tmp_path):
 
 # ---------------------------------------------------------------- sandboxed run
 
-def run(tmp_path, entry_source: str, timeout_s=30.0, extra=None):
+def run(tmp_path, entry_source: str, timeout_s=30.0, extra=None, trusted=False):
     cand = write(tmp_path / "cand", {"jax_oracles/__init__.py": "", "jax_oracles/entry.py": entry_source,
                                      "references/task.json": '{"secret": 1}', **(extra or {})})
-    inputs = tmp_path / "inputs.json"  # tmp_path exists: write() made cand/ inside it
-    inputs.write_text(json.dumps({"x": [1, 2, 3]}))
-    outputs = tmp_path / "out" / "outputs.json"
-    outputs.parent.mkdir(parents=True)
-    return run_sandboxed(cand, "jax_oracles.entry:main", inputs, outputs, timeout_s), outputs
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    (inputs / "inputs.json").write_text(json.dumps({"x": [1, 2, 3]}))
+    out = tmp_path / "out"
+    out.mkdir()
+    result = run_sandboxed(cand, "jax_oracles.entry:main", inputs, out, timeout_s, inputs_name="inputs.json",
+                           outputs_name="outputs.json", trusted=trusted)
+    return result, out / "outputs.json"
 
 
+@pytest.mark.sandbox
 def test_sandbox_clean_candidate_writes_its_outputs(tmp_path, monkeypatch):
     monkeypatch.setenv("T2J_TEST_SOURCES", str(REPO / "torch_sources"))
     result, outputs = run(tmp_path, """
@@ -203,6 +207,7 @@ def test_sandbox_clean_candidate_writes_its_outputs(tmp_path, monkeypatch):
     assert out["jax_platforms"] == "cpu"
 
 
+@pytest.mark.sandbox
 def test_sandbox_blocks_torch_import(tmp_path):
     result, outputs = run(tmp_path, """
         def main(inputs_path, outputs_path):
@@ -213,6 +218,7 @@ def test_sandbox_blocks_torch_import(tmp_path):
     assert not outputs.exists()
 
 
+@pytest.mark.sandbox
 def test_sandbox_blocks_repo_torch_sources(tmp_path):
     result, _ = run(tmp_path, """
         def main(inputs_path, outputs_path):
@@ -221,6 +227,7 @@ def test_sandbox_blocks_repo_torch_sources(tmp_path):
     assert result.reason == "torch import", result.stderr_tail
 
 
+@pytest.mark.sandbox
 @pytest.mark.parametrize("how", ["socket.create_connection(('127.0.0.1', PORT), timeout=2)",
                                  "socket.socket().connect(('127.0.0.1', PORT))",
                                  "socket.socket().connect_ex(('127.0.0.1', PORT))"])
@@ -242,6 +249,7 @@ def test_sandbox_blocks_sockets(tmp_path, how):
     assert not outputs.exists()
 
 
+@pytest.mark.sandbox
 def test_sandbox_timeout(tmp_path):
     result, _ = run(tmp_path, """
         import time
@@ -254,6 +262,7 @@ def test_sandbox_timeout(tmp_path):
     assert "started" in result.stdout_tail
 
 
+@pytest.mark.sandbox
 def test_sandbox_crash_and_missing_output(tmp_path):
     result, _ = run(tmp_path, """
         def main(inputs_path, outputs_path):

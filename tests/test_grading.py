@@ -8,6 +8,8 @@ import pytest
 from grader.app import grade
 from recorder.app import compose_task
 
+pytestmark = pytest.mark.sandbox
+
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION_TREES = ("jax_oracles", "serving_engine", "conversion")
 SMOKE = ("llama3-sft", "gemma4-chunked")  # one task per class in CI; every task under -m slow

@@ -94,6 +94,7 @@ def test_cli_takes_hydra_style_and_dashed_options():
 
 
 @pytest.mark.slow
+@pytest.mark.sandbox
 def test_a_real_sweep_of_two_defects_catches_both_with_the_expected_checks(tmp_path):
     # Three levels keep it to three short grades (clean + two mutants), about a minute on two cores.
     levels = ("L1", "L3", "L4")
@@ -115,6 +116,7 @@ def test_a_real_sweep_of_two_defects_catches_both_with_the_expected_checks(tmp_p
         "train-rope-theta-default", "train-labels-not-shifted"]
 
 
+@pytest.mark.sandbox
 @pytest.mark.parametrize("task, did, check", [
     ("llama3-core", "serve-min-p-before-temperature", "L1/sampler_pipeline"),
     ("llama3-sft", "train-template-eos-not-replaced", "L1/collate"),

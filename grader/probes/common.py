@@ -7,6 +7,7 @@ code never returns to the interpreter, and the group's process timeout (grader/a
 from __future__ import annotations
 
 import math
+import os
 import signal
 import threading
 import time
@@ -16,7 +17,8 @@ import jax
 import numpy as np
 
 from grader import _guard
-from grader.h5schema import read_arrays, write_arrays
+from grader.exchange import write_outputs
+from grader.h5schema import read_arrays
 
 DEFAULT_CHECK_TIMEOUT_S = 120.0  # L0-L4, when meta has no "check_timeout_s"; L5/L6 get the time budget
 _REPEAT_S = 1.0  # the alarm re-fires until the probe lets go (a probe may swallow one exception)
@@ -103,6 +105,9 @@ def run_probes(inputs_path, outputs_path, make_ctx, probes):
     (the candidate's module does not import) fails every check with that reason."""
     groups, attrs = read_arrays(inputs_path)
     meta = attrs["meta"]
+    # asset paths are relative to the inputs directory: the sandbox mounts it where the grader cannot know
+    base = os.path.dirname(os.path.abspath(inputs_path))
+    meta["assets"] = {k: os.path.join(base, v) for k, v in (meta.get("assets") or {}).items()}
     budget = float(meta.get("time_budget_s", float("inf")))
     alarm = _Alarm()
     keys = list(meta["checks"])
@@ -111,8 +116,7 @@ def run_probes(inputs_path, outputs_path, make_ctx, probes):
     ctx, setup_error = alarm.run(setup_limit, make_ctx, meta)
     if setup_error is not None:
         seconds = time.perf_counter() - started
-        write_arrays(outputs_path, {}, attrs={"errors": {k: f"setup: {setup_error}"[:500] for k in keys},
-                                              "seconds": {k: seconds for k in keys}})
+        write_outputs(outputs_path, {}, {k: f"setup: {setup_error}"[:500] for k in keys}, {k: seconds for k in keys})
         return
     outputs, errors, seconds = {}, {}, {}
     for key in keys:
@@ -129,4 +133,4 @@ def run_probes(inputs_path, outputs_path, make_ctx, probes):
         seconds[key] = time.perf_counter() - started
         if level in ("L5", "L6") and seconds[key] > budget and key not in errors:
             errors[key] = f"timeout: {seconds[key]:.1f} s > budget {budget:.1f} s"
-    write_arrays(outputs_path, outputs, attrs={"errors": errors, "seconds": seconds})
+    write_outputs(outputs_path, outputs, errors, seconds)
