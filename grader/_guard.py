@@ -13,6 +13,9 @@ The references/ barrier works at the Python level: the audit hook, plus the two 
 candidate reaches most easily (h5py, os.open with dir_fd). It stops a candidate that opens, lists,
 copies, links or h5py-reads the references, or spawns a command naming them; it is no OS boundary
 (ctypes, HDF5 external links, or a shell command that spells the path in pieces get past it).
+The OS boundary is grader/sandbox.py: sealed, this guard is the first line that gives precise
+reasons, and the deny list is empty (nothing of the repo is in the child's view); it carries the
+references/ barrier alone only in trusted mode.
 
 Configuration travels in environment variables, so sitecustomize needs no arguments.
 """

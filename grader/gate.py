@@ -8,10 +8,12 @@ Three layers, cheapest first:
   any other string (shell commands, files written and run);
 - run_import_linter: import-linter's forbidden contract over the candidate's packages, which
   follows chains (package a imports b, b imports torch);
-- run_sandboxed: the candidate runs in a child process on a temporary copy of its packages (never
-  references/), where importing a forbidden package fails, sockets cannot connect, and an audit hook
-  refuses any file access under the references/ directories (the repo's, the candidate's, any other
-  named by the caller).
+- run_sandboxed: the candidate runs in a sealed child (grader/sandbox.py): the torch-free
+  verifier interpreter inside bubblewrap, seeing read-only copies of itself and of the grader's
+  runtime plus the inputs directory, writing only its outputs file, with fresh /tmp and $HOME,
+  no network and nothing of the repo; the Python-level guard (grader/_guard.py) is installed
+  first for precise reasons. `trusted=True` runs the same child behind the guard alone (the
+  oracles on a machine without namespaces), where its audit hook refuses the references/.
 
 What counts as the candidate: the top-level directories jax_oracles/, serving_engine/ and
 conversion/ when they hold any .py file (namespace packages allowed), every other top-level

@@ -26,7 +26,7 @@ import pytest
 
 from grader.app import grade
 from grader.exchange import read_outputs
-from grader.gate import static_scan
+from grader.gate import run_sandboxed, static_scan
 from grader.h5schema import read_reference, write_arrays
 from grader.probes.common import run_probes
 from recorder.app import compose_task
@@ -404,6 +404,116 @@ def test_an_output_file_swapped_for_a_link_to_the_references_scores_zero(tmp_pat
     checks = _by_name(_grade(cand, tmp_path, ("L1",)))
     for c in checks.values():
         assert c["score"] == 0.0 and c["reason"].startswith("untrusted output: cannot open"), c
+
+
+# ---------------------------------------------------------------- the Python-level fence (alone when trusted)
+
+_CHANNELS = """
+import glob, json, os, pathlib, shutil, subprocess, sys
+import h5py
+import numpy as np
+
+def attempts(d, scratch):
+    f = os.path.join(d, "ref.h5")
+    def symlink():
+        os.symlink(d, os.path.join(scratch, "alias"))
+        return open(os.path.join(scratch, "alias", "ref.h5"), "rb").read()
+    def chdir_then_open():
+        here = os.getcwd()
+        try:
+            os.chdir(d)
+            return open("ref.h5", "rb").read()
+        finally:
+            os.chdir(here)
+    return {
+        "open": lambda: open(f, "rb").read(),
+        "os.open": lambda: os.read(os.open(f, os.O_RDONLY), 8),
+        "dir_fd": lambda: os.read(os.open(os.path.join(os.path.basename(d), "ref.h5"), os.O_RDONLY,
+                                          dir_fd=os.open(os.path.dirname(d), os.O_RDONLY)), 8),
+        "pathlib": lambda: pathlib.Path(f).read_bytes(),
+        "numpy": lambda: np.fromfile(f, np.uint8).size,
+        "listdir": lambda: os.listdir(d),
+        "scandir": lambda: [e.name for e in os.scandir(d)],
+        "glob": lambda: glob.glob(os.path.join(d, "*")),
+        "copy": lambda: shutil.copy(f, os.path.join(scratch, "copy.h5")),
+        "hardlink": lambda: os.link(f, os.path.join(scratch, "hard.h5")) or True,
+        "symlink": symlink,
+        "chdir": chdir_then_open,
+        "h5py": lambda: h5py.File(f, "r")["x"][()].size,
+        "h5py.h5f": lambda: h5py.h5f.open(f.encode()),
+        "subprocess": lambda: subprocess.run(["cat", f], check=True, capture_output=True).stdout,
+        # the path goes through stdin, out of the spawn's sight: the child's own guard refuses it
+        "python child": lambda: subprocess.run(
+            [sys.executable, "-c", "import sys; open(sys.stdin.read(), 'rb').read()"],
+            input=f.encode(), check=True, capture_output=True),
+    }
+
+def main(inputs_path, outputs_path):
+    cfg = json.load(open(inputs_path))
+    result = {}
+    for name, attempt in attempts(cfg["dir"], cfg["scratch"]).items():
+        try:
+            result[name] = "read" if attempt() else "nothing"
+        except (PermissionError, subprocess.CalledProcessError) as e:
+            text = str(e) + str(getattr(e, "stderr", b"") or b"")
+            result[name] = "refused" if "reads references/" in text else f"other: {text[:200]}"
+        except Exception as e:
+            result[name] = f"other: {type(e).__name__}: {e}"[:200]
+    json.dump(result, open(outputs_path, "w"))
+"""
+
+
+def _channels(tmp_path, deny: bool, trusted: bool = True) -> dict:
+    tag = f"{deny}-{trusted}"
+    secret, scratch = tmp_path / (f"secret-{tag}" if deny else f"open-{tag}"), tmp_path / f"scratch-{tag}"
+    secret.mkdir()
+    scratch.mkdir()
+    with h5py.File(secret / "ref.h5", "w") as f:
+        f["x"] = np.arange(3)
+    cand = tmp_path / f"cand-{tag}"
+    (cand / "jax_oracles").mkdir(parents=True)
+    (cand / "jax_oracles" / "__init__.py").write_text("")
+    (cand / "jax_oracles" / "entry.py").write_text(_CHANNELS)
+    inputs, out = tmp_path / f"in-{tag}", tmp_path / f"out-{tag}"
+    inputs.mkdir()
+    out.mkdir()
+    (inputs / "in.json").write_text(json.dumps({"dir": str(secret), "scratch": str(scratch) if trusted else "/tmp"}))
+    res = run_sandboxed(cand, "jax_oracles.entry:main", inputs, out, 60.0, inputs_name="in.json",
+                        outputs_name="out.json", deny_read=(secret,) if deny else (), trusted=trusted)
+    assert res.ok, res.stderr_tail
+    return json.loads((out / "out.json").read_text())
+
+
+def test_every_python_file_channel_to_a_denied_directory_is_refused_by_the_fence(tmp_path):
+    # the Python-level fence alone (trusted mode): each channel it knows of is refused with a precise reason
+    refused = _channels(tmp_path, deny=True)
+    # glob swallows the OSError and finds nothing; every other channel raises
+    assert not {k: v for k, v in refused.items() if v != ("nothing" if k == "glob" else "refused")}
+    allowed = _channels(tmp_path, deny=False)  # the same attempts on a directory not denied succeed
+    assert not {k: v for k, v in allowed.items() if v != "read"}
+    assert set(allowed) == set(refused) and len(refused) == 16
+
+
+def test_sealed_every_channel_to_a_host_directory_finds_nothing_there(tmp_path):
+    # sealed, no deny list is needed: the directory is not in the child's view at all
+    sealed = _channels(tmp_path, deny=False, trusted=False)
+    assert len(sealed) == 16 and not [k for k, v in sealed.items() if v == "read"], sealed
+    assert sealed["open"].startswith("other: FileNotFoundError"), sealed
+
+
+def test_a_run_killed_by_reading_references_says_so(tmp_path):
+    cand = tmp_path / "cand"
+    (cand / "jax_oracles").mkdir(parents=True)
+    (cand / "jax_oracles" / "entry.py").write_text(
+        f"def main(inputs_path, outputs_path):\n    open({str(ROOT / 'references' / (TASK + '.h5'))!r}, 'rb')\n")
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "in.json").write_text("{}")
+    for trusted, reason in ((True, "reads references/"), (False, "FileNotFoundError")):
+        out = tmp_path / f"out-{trusted}"
+        out.mkdir()
+        res = run_sandboxed(cand, "jax_oracles.entry:main", tmp_path / "in", out, 60.0, inputs_name="in.json",
+                            trusted=trusted)
+        assert not res.ok and reason in res.reason, (res.reason, res.stderr_tail)
 
 
 # ---------------------------------------------------------------- (c) echoing the inputs

@@ -139,6 +139,34 @@ def test_static_scan_clean_candidate_and_unparseable_file(tmp_path):
     assert [s.split(":")[0] for s in static_scan(tmp_path)] == ["conversion/broken.py"]
 
 
+@pytest.mark.parametrize("source, module", [
+    ('import importlib\nimportlib.import_module("tor" + "ch")\n', "torch"),
+    ('name = f"{\'torch\'}_sources.models"\n__import__(name)\n', "torch_sources.models"),
+    ('mod = "hcrot"[::-1]\n__import__(mod)\n', "torch"),
+    ('import importlib\nimportlib.import_module(".".join(["transformers", "models"]))\n', "transformers.models"),
+    ('import runpy\nrunpy.run_module("recorder")\n', "recorder"),
+    ('exec("import " + "peft")\n', "peft"),
+    # programs handed to another interpreter, and shell commands
+    ('import subprocess, sys\nsubprocess.run([sys.executable, "-I", "-c", "import torch; print(torch.ones(1))"])\n',
+     "torch"),
+    ('import sys, subprocess\nPROG = "import sys\\nfrom vllm import LLM\\n"\nsubprocess.run([sys.executable, "-c", PROG])\n',
+     "vllm"),
+    ('import os\nos.system("python3 -c \'import trl\'")\n', "trl"),
+    ('import subprocess\nsubprocess.run(["python", "-m", "torch.utils.collect_env"])\n', "torch.utils.collect_env"),
+    ('open("/tmp/x.py", "w").write("import torchaudio\\n")\n', "torchaudio"),
+])
+def test_static_scan_reads_programs_in_strings_and_names_built_at_run_time(tmp_path, source, module):
+    write(tmp_path, {"jax_oracles/__init__.py": "", "jax_oracles/cheat.py": source})
+    assert {s.rsplit(": ", 1)[1] for s in static_scan(tmp_path)} == {module}, static_scan(tmp_path)
+
+
+def test_static_scan_leaves_prose_and_look_alikes_alone(tmp_path):
+    write(tmp_path, {"jax_oracles/__init__.py": '"""Never import torch here: the grader forbids it."""\n',
+                     "jax_oracles/ok.py": 'def f():\n    "we do not import torch"\n    return "torchlike", "important"\n'
+                                          'x = "-c"\ny = ["-c", "print(1)"]\n'})
+    assert static_scan(tmp_path) == []
+
+
 # ---------------------------------------------------------------- import-linter
 
 def test_import_linter_catches_an_indirect_import(tmp_path):
