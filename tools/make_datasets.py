@@ -1,10 +1,20 @@
 """Write the synthetic alpaca SFT dataset under assets/data/sft/{train,eval}.json.
 
 Alpaca rows (instruction / input / output, plus LLaMA-Factory's optional "history" of
-[[user, assistant], ...] turns for a few multi-turn rows). The tasks are templated string
-transforms over a small word list, so a LoRA on the tiny random Llama can learn their format
-and vocabulary and measurably lower the held-out loss. One `np.random.default_rng(0)` draws
-everything (train first, then eval), and the json is written with a fixed layout, so
+[[user, assistant], ...] turns for a few multi-turn rows and an optional "system" prompt). The
+tasks are templated string transforms over a small word list, so a LoRA on the tiny random Llama
+can learn their format and vocabulary and measurably lower the held-out loss.
+
+System prompts make some rows longer than cutoff_len (64), so the shipped data exercises
+LLaMA-Factory's truncation (`infer_seqlen`): a long prompt on a single-turn row cuts the source
+(the user turn and even the assistant header); a one-sentence prompt on a multi-turn row leaves
+the second turn a partial budget, which cuts its prompt, its answer (labels end without the
+<|eot_id|>) or drops it. tests/test_hf_trainer_semantics.py asserts each case occurs.
+
+`np.random.default_rng(SEED)` draws the turns (train first, then eval);
+`np.random.default_rng(SEED + 1)` then draws the system prompts. Two streams keep every turn as
+it was before system prompts existed, and with them tools/make_tokenizer.py's BPE, which is
+trained on the turns only. The json is written with a fixed layout, so
 `python tools/make_datasets.py` reproduces the committed files byte for byte.
 """
 
@@ -16,18 +26,24 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["TASKS", "make_example", "make_split", "make_sft", "main"]
+__all__ = ["TASKS", "SYSTEM_SENTENCES", "make_example", "make_split", "add_system_prompts", "make_sft", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "assets" / "data" / "sft"
 SEED = 0
 NUM_TRAIN, NUM_EVAL = 96, 24
 MULTI_TURN_FRACTION = 0.125  # 1 row in 8 carries one earlier (user, assistant) turn
+SYSTEM_FRACTION = 0.25  # of the single-turn rows; every multi-turn row gets a system prompt
+MAX_SYSTEM_SENTENCES = 3  # 3 sentences (~60 tokens) alone fill most of cutoff_len
 
 WORDS = ("red", "blue", "green", "cat", "dog", "sun", "moon", "tree",
          "fish", "bird", "star", "cake", "milk", "box", "hat", "rain")
 LETTERS = "abcdefghij"
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five")
+SYSTEM_SENTENCES = ("You are a careful assistant.", "Follow the instruction exactly.",
+                    "Answer with the result only.", "Do not explain your answer.",
+                    "Keep the words in lower case unless told otherwise.",
+                    "Use only the words of the input.", "Never add a greeting.")
 
 
 def _words(rng: np.random.Generator, lo: int, hi: int) -> list[str]:
@@ -95,10 +111,28 @@ def make_split(rng: np.random.Generator, n: int, exclude: set[str] = frozenset()
     return rows
 
 
+def _system_prompt(rng: np.random.Generator, num_sentences: int) -> str:
+    picked = rng.choice(len(SYSTEM_SENTENCES), size=num_sentences, replace=False)
+    return " ".join(SYSTEM_SENTENCES[i] for i in picked)
+
+
+def add_system_prompts(rng: np.random.Generator, rows: list[dict]) -> None:
+    """In place: one sentence on every multi-turn row (its first turn still fits; the second gets
+    what budget is left), 1..MAX_SYSTEM_SENTENCES on a SYSTEM_FRACTION of the single-turn rows."""
+    for row in rows:
+        if row.get("history"):
+            row["system"] = _system_prompt(rng, 1)
+        elif rng.random() < SYSTEM_FRACTION:
+            row["system"] = _system_prompt(rng, int(rng.integers(1, MAX_SYSTEM_SENTENCES + 1)))
+
+
 def make_sft(seed: int = SEED) -> tuple[list[dict], list[dict]]:
     rng = np.random.default_rng(seed)
     train = make_split(rng, NUM_TRAIN)
     held_out = make_split(rng, NUM_EVAL, exclude={json.dumps(r, sort_keys=True) for r in train})
+    system_rng = np.random.default_rng(seed + 1)
+    add_system_prompts(system_rng, train)
+    add_system_prompts(system_rng, held_out)
     return train, held_out
 
 

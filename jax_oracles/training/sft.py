@@ -2,7 +2,8 @@
 
 Same data order (np.random.default_rng(seed + epoch).permutation), same accumulation rule
 (micro-batch loss = summed CE / labelled tokens of the whole step, grads summed), same clip,
-AdamW and cosine schedule. One jitted train step does the whole accumulation step: a
+AdamW and `lr_scheduler_type` schedule, same HF eval_loss (mean over eval batches of each
+batch's token mean). One jitted train step does the whole accumulation step: a
 lax.scan over GA micro-batches of one static shape [B, L] (every batch is right-padded to a
 fixed length L, so it compiles once), then the optax update; the LoRA tree and the optimizer
 state are donated. Rows or micro-batches that pad a short last step carry no labels (and a
@@ -29,13 +30,13 @@ from jax_oracles.models.llama3 import LlamaForCausalLM
 from .collator import SFTDataCollator
 from .lora import LoraConfig, init_lora_tree, lora_state_dict, lora_tree_from_state_dict
 from .loss import IGNORE_INDEX, causal_lm_loss
-from .optimizer import create_optimizer, decay_parameter_names
+from .optimizer import LR_MULTIPLIERS, create_optimizer, decay_parameter_names
 from .processor import preprocess_supervised_dataset
 from .template import get_template, load_tokenizer
 
 __all__ = ["TrainArgs", "SFTResult", "lora_config", "load_processed_dataset", "make_collator", "step_example_indices",
-           "num_training_steps", "CausalLM", "load_model", "sft_step_loss_and_grads", "train_steps", "evaluate_loss",
-           "train_sft"]
+           "num_training_steps", "CausalLM", "load_model", "sft_step_loss_and_grads", "train_steps",
+           "mean_of_batch_losses", "evaluate_loss", "train_sft"]
 
 _peft_state_dict = lora_state_dict  # for functions whose lora_state_dict argument shadows the name
 
@@ -51,7 +52,7 @@ class TrainArgs:
     per_device_train_batch_size: int = 4
     per_device_eval_batch_size: int = 4
     gradient_accumulation_steps: int = 2
-    lr_scheduler_type: str = "cosine"
+    lr_scheduler_type: str = "cosine"  # LLaMA-Factory's example configs; HF's own default is "linear"
     warmup_ratio: float = 0.1
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -66,7 +67,8 @@ class TrainArgs:
     lora_dropout: float = 0.0
 
     def __post_init__(self):
-        assert self.lr_scheduler_type == "cosine", self.lr_scheduler_type
+        if self.lr_scheduler_type not in LR_MULTIPLIERS:
+            raise ValueError(f"lr_scheduler_type {self.lr_scheduler_type!r} is not one of {sorted(LR_MULTIPLIERS)}")
         assert self.lora_dropout == 0.0, "dropout would need a shared noise source with torch"
 
 
@@ -171,12 +173,12 @@ def _train_step_fn(module, tx):
 
 @functools.lru_cache(maxsize=None)
 def _eval_fn(module):
-    def summed_ce(params, lora, batch):  # -> (summed CE, labelled tokens)
+    def batch_loss(params, lora, batch):  # -> the batch's token-mean CE (HF: its own num_items_in_batch)
         variables = {"params": params} if lora is None else {"params": params, "lora": lora}
         logits = module.apply(variables, batch["input_ids"], batch["attention_mask"])
-        return causal_lm_loss(logits, batch["labels"], 1.0), _label_count(batch["labels"])
+        return causal_lm_loss(logits, batch["labels"], _label_count(batch["labels"]))
 
-    return jax.jit(summed_ce)
+    return jax.jit(batch_loss)
 
 
 # ---- static-shape batching -------------------------------------------------------------------
@@ -247,16 +249,28 @@ def train_steps(model_dir, lora_init_state_dict: dict, step_batches: list[list[d
     return losses, lora_state_dict(lora)
 
 
+def mean_of_batch_losses(batch_losses: list[float]) -> float:
+    """HF Trainer.evaluation_loop's eval_loss from per-batch losses.
+
+    Each batch's loss is repeated eval_batch_size times (a short last batch too: the configured
+    size, not the observed one), so every batch weighs the same; non-finite losses are dropped
+    first (logging_nan_inf_filter, on by default) unless all are.
+    """
+    losses = np.asarray(batch_losses, np.float64)
+    finite = np.isfinite(losses)
+    return float(losses[finite].mean() if finite.any() else losses.mean())
+
+
 def _evaluate(model: CausalLM, lora, features: list[dict], batch_size: int, length: int) -> float:
-    """Token-mean CE; every eval batch is padded to [batch_size, length] (one compile)."""
+    """HF eval_loss over features in order; every eval batch is padded to [batch_size, length] (one
+    compile; filler rows carry no labels, so each batch's token mean is unchanged)."""
     collate = SFTDataCollator(pad_token_id=0, pad_to_length=length)  # pads are masked and unlabelled
     fn = _eval_fn(model.module)
-    sums = []
+    losses = []
     for s in range(0, len(features), batch_size):
         batch = _pad_batch(collate(features[s:s + batch_size]), batch_size, length, 0)
-        sums.append(fn(model.params, lora, batch))
-    total, count = np.sum(np.asarray(jax.device_get(sums), np.float64), axis=0)
-    return float(total / count)
+        losses.append(fn(model.params, lora, batch))
+    return mean_of_batch_losses(jax.device_get(losses))
 
 
 def _bucket_length(features: list[dict]) -> int:
@@ -265,7 +279,8 @@ def _bucket_length(features: list[dict]) -> int:
 
 
 def evaluate_loss(model_dir, lora_state_dict: dict | None, eval_features: list[dict], args: TrainArgs) -> float:
-    """Token-mean CE over eval_features (processed rows), batched; the base model when lora is None."""
+    """HF eval_loss over eval_features (processed rows) in batches of per_device_eval_batch_size:
+    the mean of each batch's token-mean CE. The base model when lora_state_dict is None."""
     model = load_model(model_dir, lora_config(args))
     lora = None if lora_state_dict is None else lora_tree_from_state_dict(lora_state_dict)
     length = _bucket_length(eval_features)

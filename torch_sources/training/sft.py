@@ -4,7 +4,9 @@ raw alpaca json -> llama3 template -> supervised processor (cutoff_len) -> colla
 padding, multiple of 8) -> frozen base + LoRA on every projection -> HF Trainer loop:
 gradient accumulation over GA micro-batches, each micro-batch loss = summed CE / labelled
 tokens of the whole accumulation step (so the step loss is the token mean), grads summed,
-clipped to max_grad_norm, AdamW step, cosine schedule step.
+clipped to max_grad_norm, AdamW step, scheduler step (`lr_scheduler_type`: HF's linear or
+LLaMA-Factory's cosine). eval_loss is HF Trainer.evaluate's: each eval batch's loss is the token
+mean of that batch alone, and eval_loss is the mean over batches (not over all eval tokens).
 
 Data order is framework-independent: epoch e visits the train set in
 np.random.default_rng(seed + e).permutation order, B rows per micro-batch, GA micro-batches
@@ -27,12 +29,13 @@ from torch_sources.models.llama3 import LlamaForCausalLM
 from .collator import SFTDataCollator
 from .lora import PEFT_PREFIX, LoraConfig, inject_lora, load_lora_state_dict, lora_state_dict
 from .loss import causal_lm_loss, count_label_tokens
-from .optimizer import clip_grad_norm, create_optimizer
+from .optimizer import LR_MULTIPLIERS, clip_grad_norm, create_optimizer
 from .processor import preprocess_supervised_dataset
 from .template import get_template, load_tokenizer
 
 __all__ = ["TrainArgs", "SFTResult", "lora_config", "load_processed_dataset", "make_collator", "step_example_indices",
-           "num_training_steps", "load_model", "sft_step_loss_and_grads", "train_steps", "evaluate_loss", "train_sft"]
+           "num_training_steps", "load_model", "sft_step_loss_and_grads", "train_steps", "mean_of_batch_losses",
+           "evaluate_loss", "train_sft"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ class TrainArgs:
     per_device_train_batch_size: int = 4
     per_device_eval_batch_size: int = 4
     gradient_accumulation_steps: int = 2
-    lr_scheduler_type: str = "cosine"
+    lr_scheduler_type: str = "cosine"  # LLaMA-Factory's example configs; HF's own default is "linear"
     warmup_ratio: float = 0.1
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -59,7 +62,8 @@ class TrainArgs:
     lora_dropout: float = 0.0
 
     def __post_init__(self):
-        assert self.lr_scheduler_type == "cosine", self.lr_scheduler_type
+        if self.lr_scheduler_type not in LR_MULTIPLIERS:
+            raise ValueError(f"lr_scheduler_type {self.lr_scheduler_type!r} is not one of {sorted(LR_MULTIPLIERS)}")
 
 
 @dataclass(frozen=True)
@@ -170,19 +174,33 @@ def train_steps(model_dir, lora_init_state_dict: dict, step_batches: list[list[d
     return losses, lora_state_dict(model)
 
 
+def mean_of_batch_losses(batch_losses: list[float]) -> float:
+    """HF Trainer.evaluation_loop's eval_loss from per-batch losses.
+
+    Each batch's loss is repeated eval_batch_size times (a short last batch too: the configured
+    size, not the observed one), so every batch weighs the same; non-finite losses are dropped
+    first (logging_nan_inf_filter, on by default) unless all are.
+    """
+    losses = np.asarray(batch_losses, np.float64)
+    finite = np.isfinite(losses)
+    return float(losses[finite].mean() if finite.any() else losses.mean())
+
+
 @torch.no_grad()
 def _evaluate(model, features: list[dict], batch_size: int) -> float:
+    """HF prediction_step per batch of features (in order): compute_loss with num_items_in_batch =
+    this batch's labelled tokens, i.e. the batch's token mean; then mean_of_batch_losses."""
     collate = SFTDataCollator(pad_token_id=0)  # pads are masked and unlabelled: their id is irrelevant
-    total, count = 0.0, 0
+    losses = []
     for s in range(0, len(features), batch_size):
         input_ids, attention_mask, labels = _batch_tensors(collate(features[s:s + batch_size]))
-        total += causal_lm_loss(model(input_ids, attention_mask), labels, 1).item()  # summed CE
-        count += count_label_tokens(labels)
-    return total / count
+        losses.append(causal_lm_loss(model(input_ids, attention_mask), labels, count_label_tokens(labels)).item())
+    return mean_of_batch_losses(losses)
 
 
 def evaluate_loss(model_dir, lora_state_dict: dict | None, eval_features: list[dict], args: TrainArgs) -> float:
-    """Token-mean CE over eval_features (processed rows), batched; the base model when lora is None."""
+    """HF eval_loss over eval_features (processed rows) in batches of per_device_eval_batch_size:
+    the mean of each batch's token-mean CE. The base model when lora_state_dict is None."""
     model = load_model(model_dir, lora_config(args) if lora_state_dict is not None else None, args.seed)
     if lora_state_dict is not None:
         load_lora_state_dict(model, lora_state_dict)
