@@ -2,6 +2,8 @@
 
 Shaped like vllm/v1/core/block_pool.py and docs/design/prefix_caching.md: a block is cached under the chained
 hash of its tokens; a freed block keeps its hash and stays findable until the free list hands it out again.
+Block 0 is the null block, as in vLLM: never handed out, never cached, never freed. Padding entries of a block
+table point at it, so a padded write can never land in a request's KV.
 
 This is the JAX engine's own copy of torch_sources/serving/block_pool.py: an oracle must stand alone, so the
 mirror is intended. Keep the code identical to the original (tests/test_serving_bookkeeping.py checks it).
@@ -53,14 +55,15 @@ class KVCacheBlock:
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True):
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
         # LRU free list: pop from the head, append freed blocks at the tail. An OrderedDict keyed by block id
         # gives the O(1) removal from the middle that touch() needs (vLLM uses an intrusive linked list).
-        self.free_list: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.free_list: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
         # hash -> {block_id: block}; several blocks may hold the same hash because block tables are append-only.
         self.cached_blocks: dict[bytes, dict[int, KVCacheBlock]] = {}
         self.num_queries = 0  # get_cached_block lookups
@@ -72,8 +75,12 @@ class BlockPool:
         return len(self.free_list)
 
     @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1  # all but the null block
+
+    @property
     def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         self.num_queries += 1
@@ -120,6 +127,8 @@ class BlockPool:
         """Drop one reference each; blocks reaching 0 go to the free-list tail in the given order (first is
         evicted first). The cache keeps their hashes until they are reused."""
         for block in ordered_blocks:
+            if block is self.null_block:
+                raise ValueError("the null block is never held, so it cannot be freed")
             if block.ref_cnt <= 0:
                 raise ValueError(f"block {block.block_id} freed more often than it was taken")
             block.ref_cnt -= 1
@@ -128,7 +137,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is held (as in vLLM)."""
-        if self.num_free_blocks != self.num_blocks:
+        if self.num_free_blocks != self.num_usable_blocks:
             return False
         for block in self.blocks:
             block.block_hash = None

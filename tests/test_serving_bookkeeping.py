@@ -87,15 +87,16 @@ def test_sampling_params_validation(s):
 
 # -- block pool ----------------------------------------------------------------------------------------------------
 def test_block_pool_ref_counts_and_lru_order(s):
-    pool = s.BlockPool(4)
+    pool = s.BlockPool(5)  # block 0 is the null block: 4 usable blocks
+    assert pool.num_usable_blocks == 4 and pool.num_free_blocks == 4 and pool.usage == 0.0
     a = pool.get_new_blocks(2)
-    assert [b.block_id for b in a] == [0, 1] and [b.ref_cnt for b in a] == [1, 1]
+    assert [b.block_id for b in a] == [1, 2] and [b.ref_cnt for b in a] == [1, 1]
     assert pool.num_free_blocks == 2 and pool.usage == 0.5
     pool.touch([a[0]])  # a second holder
     pool.free_blocks(reversed(a))
     assert [b.ref_cnt for b in a] == [1, 0] and pool.num_free_blocks == 3
-    # Freed blocks go to the tail: the never-used blocks 2, 3 are handed out before block 1.
-    assert [b.block_id for b in pool.get_new_blocks(3)] == [2, 3, 1]
+    # Freed blocks go to the tail: the never-used blocks 3, 4 are handed out before block 2.
+    assert [b.block_id for b in pool.get_new_blocks(3)] == [3, 4, 2]
     with pytest.raises(ValueError, match="only 0 are free"):
         pool.get_new_blocks(1)
     pool.free_blocks([a[0]])
@@ -104,20 +105,21 @@ def test_block_pool_ref_counts_and_lru_order(s):
 
 
 def test_cached_block_survives_free_until_reused(s):
-    pool = s.BlockPool(2)
+    pool = s.BlockPool(3)  # the null block and 2 usable blocks
     blocks = pool.get_new_blocks(2)
+    assert [b.block_id for b in blocks] == [1, 2]
     h0 = s.hash_block_tokens(None, [1, 2])
     h1 = s.hash_block_tokens(h0, [3, 4])
     pool.cache_full_blocks(blocks, [h0, h1], 0, 1)  # only the first block is full
     assert pool.get_cached_block(h0) is blocks[0] and pool.get_cached_block(h1) is None
-    pool.free_blocks(reversed(blocks))  # free order: block 1 first, so block 1 is reused first
+    pool.free_blocks(reversed(blocks))  # free order: block 2 first, so block 2 is reused first
     assert pool.get_cached_block(h0) is blocks[0], "a freed block stays in the prefix cache"
     pool.touch([blocks[0]])  # a hit on a free block takes it out of the free list
     assert blocks[0].ref_cnt == 1 and pool.num_free_blocks == 1
     pool.free_blocks([blocks[0]])
-    pool.get_new_blocks(1)  # block 1
+    assert [b.block_id for b in pool.get_new_blocks(1)] == [2]
     assert pool.get_cached_block(h0) is blocks[0] and pool.num_evictions == 0
-    pool.get_new_blocks(1)  # block 0: its hash is evicted now
+    assert [b.block_id for b in pool.get_new_blocks(1)] == [1]  # its hash is evicted now
     assert pool.get_cached_block(h0) is None and blocks[0].block_hash is None and pool.num_evictions == 1
     assert (pool.num_queries, pool.num_hits) == (5, 3)
 
@@ -131,6 +133,34 @@ def test_chained_hashes_are_stable(s):
     assert s.hash_block_tokens(h0, [5, 6, 7, 8]) != h1  # extra keys enter the hash
     assert s.hash_block_tokens(s.hash_block_tokens(None, [0, 2, 3, 4]), [5, 6, 7, 8], ("image-sha",)) != h1
     assert s.hash_block_tokens(None, [1, 2, 3, 4]) == h0 and len(h0) == 32
+
+
+def test_null_block_is_never_handed_out_cached_or_freed(s):
+    with pytest.raises(ValueError, match="null block"):
+        s.BlockPool(1)
+    pool = s.BlockPool(4)
+    null = pool.null_block
+    assert null is pool.blocks[0] and null.block_id == 0 and 0 not in pool.free_list
+    assert pool.num_usable_blocks == 3 and pool.num_free_blocks == 3
+    blocks = pool.get_new_blocks(3)
+    assert [b.block_id for b in blocks] == [1, 2, 3] and pool.usage == 1.0
+    with pytest.raises(ValueError, match="only 0 are free"):
+        pool.get_new_blocks(1)  # the null block is no spare
+    h0 = s.hash_block_tokens(None, [1, 2])
+    h1 = s.hash_block_tokens(h0, [3, 4])
+    pool.cache_full_blocks(blocks, [h0, h1, s.hash_block_tokens(h1, [5, 6])], 0, 3)
+    assert null.block_hash is None and all(0 not in same for same in pool.cached_blocks.values())
+    with pytest.raises(ValueError, match="null block"):
+        pool.free_blocks([null])
+    assert null.ref_cnt == 0 and 0 not in pool.free_list and pool.num_free_blocks == 0
+    pool.free_blocks(reversed(blocks))
+    assert list(pool.free_list) == [3, 2, 1] and pool.usage == 0.0
+    for _ in range(4):  # churn: only usable blocks ever come out, cached or not
+        got = pool.get_new_blocks(3)
+        assert sorted(b.block_id for b in got) == [1, 2, 3]
+        pool.free_blocks(got)
+    assert null.ref_cnt == 0 and null.block_hash is None and pool.num_free_blocks == 3
+    assert pool.reset_prefix_cache() and pool.cached_blocks == {}
 
 
 # -- KV-cache manager ----------------------------------------------------------------------------------------------
@@ -161,7 +191,7 @@ def test_prefix_hits_only_full_blocks(s):
     assert kv.get_computed_blocks(d) == ([], 0)
     for r in (a, b):
         kv.free(r)
-    assert kv.num_free_blocks == 16
+    assert kv.num_free_blocks == 15  # all but the null block
 
 
 def test_prefix_hits_respect_multimodal_hash(s):
@@ -175,18 +205,19 @@ def test_prefix_hits_respect_multimodal_hash(s):
 
 
 def test_free_evicts_the_request_tail_first(s):
-    kv = s.KVCacheManager(block_size=4, num_blocks=3, enable_caching=True)
+    kv = s.KVCacheManager(block_size=4, num_blocks=4, enable_caching=True)  # 3 usable blocks
     a = _req(s, "a", range(1, 14))  # 13 tokens: 3 full blocks cached
     kv.allocate_slots(a, 12)
+    assert kv.get_block_ids(a) == [1, 2, 3] and kv.num_free_blocks == 0
     a.num_computed_tokens = 12
     kv.free(a)
     other = _req(s, "other", [90, 91, 92, 93])
-    assert kv.get_block_ids(a) == [] and kv.allocate_slots(other, 4)[0].block_id == 2  # a's last block goes first
+    assert kv.get_block_ids(a) == [] and kv.allocate_slots(other, 4)[0].block_id == 3  # a's last block goes first
     assert kv.get_computed_blocks(_req(s, "again", range(1, 14)))[1] == 8  # its shared prefix is still cached
 
 
 def test_allocate_slots_returns_none_when_out_of_blocks(s):
-    kv = s.KVCacheManager(block_size=4, num_blocks=3, enable_caching=True)
+    kv = s.KVCacheManager(block_size=4, num_blocks=4, enable_caching=True)  # 3 usable blocks
     a = _req(s, "a", range(8))
     assert len(kv.allocate_slots(a, 8)) == 2
     a.num_computed_tokens = 8
@@ -257,8 +288,11 @@ def _run(s, cfg, requests, eos=None, max_steps=2000, on_step=None):
 
 def _assert_no_leak(sched, num_blocks):
     kv = sched.kv_cache_manager
-    assert kv.num_free_blocks == num_blocks and kv.req_to_blocks == {}
+    # Every block but the null block (block 0) is back in the free list.
+    assert kv.num_free_blocks == num_blocks - 1 and kv.req_to_blocks == {}
+    assert sorted(kv.block_pool.free_list) == list(range(1, num_blocks))
     assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
+    assert kv.block_pool.null_block.block_hash is None
     assert sched.requests == {} and not sched.running and not sched.waiting
 
 
@@ -299,7 +333,7 @@ def test_ragged_mode_decodes_together_and_prefills_whole(s):
     _assert_no_leak(sched, 64)
 
 
-def test_chunked_budget_respected_and_decodes_first(s):
+def test_chunked_budget_respected_and_running_in_queue_order(s):
     cfg = s.EngineConfig(mode="chunked", block_size=4, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=6,
                          max_model_len=64)
     sched, outputs, _, trace = _run(s, cfg, _workload(s))
@@ -307,10 +341,19 @@ def test_chunked_budget_respected_and_decodes_first(s):
     saw_mixed = False
     for before, out in trace:
         assert out.total_num_scheduled_tokens <= 6
-        # Decodes come first, and every request that was decoding at the start of the step got its token.
-        assert out.is_prefill == sorted(out.is_prefill)
-        decoding = {rid for rid, (c, n, p) in before.items() if n - c == 1 and c >= p}
-        assert decoding <= set(out.scheduled_req_ids)
+        assert out.preempted_req_ids == []  # 63 usable blocks: nothing is ever preempted here
+        # vLLM v1 order: the running requests first, in queue order, each given all it needs (a decode, the rest
+        # of its prompt) up to what is left of the budget; only a spent budget leaves a running request out.
+        running = list(before)
+        num_running = sum(rid in before for rid in out.scheduled_req_ids)
+        assert out.scheduled_req_ids[:num_running] == running[:num_running]
+        budget = 6
+        for rid, n in zip(out.scheduled_req_ids[:num_running], out.num_scheduled_tokens):
+            computed, num_tokens, _ = before[rid]
+            assert n == min(num_tokens - computed, budget)
+            budget -= n
+        if num_running < len(running):
+            assert budget == 0 and out.num_seqs == num_running, "a running request was skipped with budget left"
         saw_mixed |= any(out.is_prefill) and not all(out.is_prefill)
     assert saw_mixed, "no step mixed decodes with a prefill chunk"
     # A prompt longer than the budget is cut into chunks; the partial chunks are not sampled.
@@ -330,8 +373,8 @@ def test_long_prefill_threshold_caps_chunks(s):
 
 
 def test_preemption_then_completion_under_tiny_cache(s):
-    # Each request may hold up to ceil((14 + 9 - 1) / 4) = 6 blocks; 7 blocks cannot hold two of them.
-    cfg = s.EngineConfig(mode="chunked", block_size=4, num_blocks=7, max_num_seqs=4, max_num_batched_tokens=16,
+    # Each request may hold up to ceil((14 + 9 - 1) / 4) = 6 blocks; 7 usable blocks cannot hold two of them.
+    cfg = s.EngineConfig(mode="chunked", block_size=4, num_blocks=8, max_num_seqs=4, max_num_batched_tokens=16,
                          max_model_len=64)
 
     def check_victims(sched, out):
@@ -351,12 +394,12 @@ def test_preemption_then_completion_under_tiny_cache(s):
     assert outputs == _reference_outputs(s), "recomputed requests must generate the same tokens"
     assert all(r.status == s.RequestStatus.FINISHED_LENGTH_CAPPED for r in finished)
     assert max(r.num_preemptions for r in finished) >= 1
-    _assert_no_leak(sched, 7)
+    _assert_no_leak(sched, 8)
 
 
 def test_preemption_picks_latest_admitted(s):
-    cfg = s.EngineConfig(mode="ragged", block_size=4, num_blocks=4, max_num_seqs=4, max_num_batched_tokens=16,
-                         max_model_len=16)
+    cfg = s.EngineConfig(mode="ragged", block_size=4, num_blocks=5, max_num_seqs=4, max_num_batched_tokens=16,
+                         max_model_len=16)  # 4 usable blocks
     sched, model = s.Scheduler(cfg), FakeModel(s, cfg)
     for i in range(3):
         sched.add_request(_req(s, f"r{i}", [i + 1] * 4, max_tokens=8))  # 1 block each, a 2nd block at token 5
@@ -369,24 +412,104 @@ def test_preemption_picks_latest_admitted(s):
                                                                                sched.requests["r1"]]
 
 
-def test_preemption_unschedules_an_already_scheduled_decode(s):
-    # b decodes (scheduled first) while the older a is still prefilling; a's chunk then needs b's blocks.
+def test_prefill_chunk_preempts_a_later_decoding_request(s):
+    # b decodes while the older a is still prefilling; a is scheduled first (queue order) and its next chunk
+    # needs b's only block, so b is preempted before it is scheduled in that step (3 usable blocks).
     cfg = s.EngineConfig(mode="chunked", block_size=4, num_blocks=4, max_num_seqs=2, max_num_batched_tokens=8,
                          max_model_len=16, long_prefill_token_threshold=4)
     sched, model = s.Scheduler(cfg), FakeModel(s, cfg)
-    sched.add_request(_req(s, "a", range(1, 13), max_tokens=2))
+    sched.add_request(_req(s, "a", range(1, 13), max_tokens=1))  # 12 KV tokens: all 3 usable blocks
     sched.add_request(_req(s, "b", [5, 6, 7], max_tokens=3))
     steps = []
     for _ in range(3):
         out = sched.schedule()
         steps.append((out.scheduled_req_ids, out.num_scheduled_tokens, out.preempted_req_ids))
         sched.update_from_output(out, model.step(sched, out))
-    assert steps == [(["a", "b"], [4, 3], []), (["b", "a"], [1, 4], []), (["a"], [4], ["b"])]
+    assert steps == [(["a", "b"], [4, 3], []), (["a", "b"], [4, 1], []), (["a"], [4], ["b"])]
     assert sched.requests["b"].num_computed_tokens == 0 and sched.waiting[0].request_id == "b"
     while sched.has_unfinished_requests():
         out = sched.schedule()
         sched.update_from_output(out, model.step(sched, out))
     _assert_no_leak(sched, 4)
+
+
+def test_running_prefill_chunk_is_scheduled_before_a_later_decode(s):
+    # vLLM v1 has no decode-first pass: the older a, still prefilling, comes before b's decode.
+    cfg = s.EngineConfig(mode="chunked", block_size=4, num_blocks=16, max_num_seqs=2, max_num_batched_tokens=8,
+                         max_model_len=32, long_prefill_token_threshold=4)
+    sched, model = s.Scheduler(cfg), FakeModel(s, cfg)
+    sched.add_request(_req(s, "a", range(1, 13), max_tokens=2))
+    sched.add_request(_req(s, "b", [5, 6, 7], max_tokens=3))
+    out = sched.schedule()
+    assert (out.scheduled_req_ids, out.num_scheduled_tokens, out.is_prefill) == (["a", "b"], [4, 3], [True, True])
+    sched.update_from_output(out, model.step(sched, out))
+    out = sched.schedule()
+    assert (out.scheduled_req_ids, out.num_scheduled_tokens) == (["a", "b"], [4, 1])
+    assert out.is_prefill == [True, False] and out.will_sample == [False, True]
+    assert out.num_computed_tokens == [4, 3]
+
+
+def _finish_all(sched, model, out):
+    while True:
+        sched.update_from_output(out, model.step(sched, out))
+        if not sched.has_unfinished_requests():
+            return
+        out = sched.schedule()
+
+
+def test_self_preemption_stops_the_running_pass(s):
+    # 4 usable blocks. Step 0 fills them: a 1 block, b 2 (an 8-token chunk), c 1. In step 1 a decodes in its
+    # block; b's next chunk needs 2 new blocks: preempting c frees only 1, so b preempts itself.
+    cfg = s.EngineConfig(mode="chunked", block_size=4, num_blocks=5, max_num_seqs=4, max_num_batched_tokens=16,
+                         max_model_len=32, long_prefill_token_threshold=8)
+    sched, model = s.Scheduler(cfg), FakeModel(s, cfg)
+    sched.add_request(_req(s, "a", [1, 2, 3], max_tokens=2))
+    sched.add_request(_req(s, "b", range(10, 26), max_tokens=1))  # 16 KV tokens: all 4 usable blocks
+    sched.add_request(_req(s, "c", [4, 5, 6], max_tokens=2))
+    sched.add_request(_req(s, "d", [7, 8], max_tokens=2))
+    out = sched.schedule()
+    assert (out.scheduled_req_ids, out.num_scheduled_tokens) == (["a", "b", "c"], [3, 8, 3])
+    assert sched.kv_cache_manager.num_free_blocks == 0 and [r.request_id for r in sched.waiting] == ["d"]
+    sched.update_from_output(out, model.step(sched, out))
+    out = sched.schedule()
+    assert (out.scheduled_req_ids, out.num_scheduled_tokens) == (["a"], [1])
+    assert out.preempted_req_ids == ["c", "b"], "the last running request first, then b itself"
+    assert sched.running == [sched.requests["a"]]
+    assert [r.request_id for r in sched.waiting] == ["b", "c", "d"], "the last victim goes to the front"
+    # 3 free blocks and 15 tokens of budget would admit b's 8-token chunk, yet a step that preempted admits none.
+    assert sched.kv_cache_manager.num_free_blocks == 3 and out.total_num_scheduled_tokens == 1
+    for rid in ("b", "c"):
+        r = sched.requests[rid]
+        assert r.status == s.RequestStatus.PREEMPTED and r.num_computed_tokens == 0 and r.num_preemptions == 1
+        assert sched.kv_cache_manager.get_block_ids(r) == []
+    sched.update_from_output(out, model.step(sched, out))  # a finishes
+    out = sched.schedule()  # nothing preempted now: the waiting queue is admitted in its order
+    # c recomputes its prompt and its sampled token (4), b starts over with an 8-token chunk.
+    assert (out.scheduled_req_ids, out.num_scheduled_tokens, out.preempted_req_ids) == (["b", "c", "d"], [8, 4, 2], [])
+    _finish_all(sched, model, out)
+    _assert_no_leak(sched, 5)
+
+
+def test_no_admission_in_a_step_that_preempted(s):
+    # 4 usable blocks. a's third chunk needs a block when none is free, so the later b (2 blocks) is preempted;
+    # one block is left over, and b's 4-token recompute chunk would fit it and the budget, but b waits a step.
+    cfg = s.EngineConfig(mode="chunked", block_size=4, num_blocks=5, max_num_seqs=2, max_num_batched_tokens=16,
+                         max_model_len=32, long_prefill_token_threshold=4)
+    sched, model = s.Scheduler(cfg), FakeModel(s, cfg)
+    sched.add_request(_req(s, "a", range(1, 13), max_tokens=1))
+    sched.add_request(_req(s, "b", range(20, 25), max_tokens=2))
+    steps = []
+    for _ in range(3):
+        out = sched.schedule()
+        steps.append((out.scheduled_req_ids, out.num_scheduled_tokens, out.preempted_req_ids))
+        if out.preempted_req_ids:
+            assert sched.kv_cache_manager.num_free_blocks == 1 and [r.request_id for r in sched.waiting] == ["b"]
+        sched.update_from_output(out, model.step(sched, out))
+    assert steps == [(["a", "b"], [4, 4], []), (["a", "b"], [4, 1], []), (["a"], [4], ["b"])]
+    out = sched.schedule()  # a has finished; b recomputes its 6 tokens, 4 at a time
+    assert (out.scheduled_req_ids, out.num_scheduled_tokens, out.num_computed_tokens) == (["b"], [4], [0])
+    _finish_all(sched, model, out)
+    _assert_no_leak(sched, 5)
 
 
 def test_prefix_reuse_in_chunked_mode(s):
@@ -413,7 +536,19 @@ def test_fully_cached_prompt_recomputes_last_block(s):
     sched.add_request(_req(s, "b", range(1, 9), max_tokens=1))
     out = sched.schedule()
     assert (out.num_computed_tokens, out.num_scheduled_tokens) == ([4], [4])
-    assert out.block_tables[0][0] == 0 and out.new_block_ids == [[out.block_tables[0][1]]]
+    assert out.block_tables[0][0] == 1 and out.new_block_ids == [[out.block_tables[0][1]]]
+
+
+def test_add_request_leaves_out_the_null_block(s):
+    cfg = s.EngineConfig(mode="chunked", block_size=4, num_blocks=4, max_num_seqs=2, max_num_batched_tokens=8,
+                         max_model_len=32)  # 3 usable blocks
+    sched = s.Scheduler(cfg)
+    with pytest.raises(ValueError, match=r"13 tokens need 4 blocks .* num_blocks=4 \(one is the null block\)"):
+        sched.add_request(_req(s, "four", range(13), max_tokens=1))
+    with pytest.raises(ValueError, match="can never fit"):
+        sched.add_request(_req(s, "four_later", range(12), max_tokens=2))  # 13 KV tokens once it decodes
+    sched.add_request(_req(s, "three", range(12), max_tokens=1))  # 12 KV tokens fit the 3 usable blocks
+    assert sched.get_num_unfinished_requests() == 1
 
 
 def test_stop_conditions(s):
@@ -435,16 +570,16 @@ def test_stop_conditions(s):
 
 
 def test_add_request_errors(s):
-    cfg = s.EngineConfig(mode="chunked", block_size=4, num_blocks=4, max_num_seqs=2, max_num_batched_tokens=8,
-                         max_model_len=32)
+    cfg = s.EngineConfig(mode="chunked", block_size=4, num_blocks=5, max_num_seqs=2, max_num_batched_tokens=8,
+                         max_model_len=32)  # 4 usable blocks
     sched = s.Scheduler(cfg)
     with pytest.raises(ValueError, match="longer than max_model_len=32"):
         sched.add_request(_req(s, "long", range(33)))
-    with pytest.raises(ValueError, match="can never fit .* num_blocks=4"):
+    with pytest.raises(ValueError, match="can never fit .* num_blocks=5"):
         sched.add_request(_req(s, "big", range(16), max_tokens=2))  # 17 KV tokens need 5 blocks
     with pytest.raises(ValueError, match="empty prompt"):
         sched.add_request(_req(s, "empty", []))
-    sched.add_request(_req(s, "ok", range(16), max_tokens=1))  # 16 KV tokens fit the 4 blocks exactly
+    sched.add_request(_req(s, "ok", range(16), max_tokens=1))  # 16 KV tokens fit the 4 usable blocks exactly
     with pytest.raises(ValueError, match="already"):
         sched.add_request(_req(s, "ok", range(3)))
     assert sched.get_num_unfinished_requests() == 1
@@ -470,6 +605,36 @@ def test_pick_bucket(s):
     with pytest.raises(ValueError):
         s.pick_bucket(17, [4, 8, 16])
     assert s.make_token_buckets(40, 8) == [8, 16, 32, 64]
+
+
+def test_block_tables_hold_no_null_block_and_padding_points_at_it(s):
+    # A tiny prefix-cached chunked engine (preemptions, hits, evictions); every table the scheduler gives out
+    # holds usable blocks only, and every padded entry of the batch metadata is the null block 0.
+    cfg = s.EngineConfig(mode="chunked", block_size=4, num_blocks=9, max_num_seqs=3, max_num_batched_tokens=8,
+                         max_model_len=64, enable_prefix_caching=True)
+    null_id = 0
+    seen = {"preempted": 0}
+
+    def check(sched, out):
+        assert sched.kv_cache_manager.block_pool.null_block.block_id == null_id
+        for table, new in zip(out.block_tables, out.new_block_ids):
+            assert null_id not in table and null_id not in new
+        meta = s.build_batch_metadata(out, sched.requests, cfg.block_size, cfg.max_num_seqs + 1,
+                                      cfg.max_blocks_per_seq, [16])
+        for i, row in enumerate(meta.block_tables):
+            table = out.block_tables[i] if i < out.num_seqs else []
+            assert row == table + [null_id] * (cfg.max_blocks_per_seq - len(table))
+        real, pad = meta.slot_mapping[:meta.num_tokens], meta.slot_mapping[meta.num_tokens:]
+        assert all(slot // cfg.block_size != null_id for slot in real) and set(pad) <= {s.PAD_SLOT_ID}
+        seen["preempted"] += len(out.preempted_req_ids)
+
+    sched, outputs, _, _ = _run(s, cfg, _workload(s, shared_prefix=5), on_step=check)
+    assert outputs == _run(s, s.EngineConfig(mode="chunked", block_size=4, num_blocks=64, max_num_seqs=3,
+                                             max_num_batched_tokens=8, max_model_len=64),
+                           _workload(s, shared_prefix=5))[1]
+    assert seen["preempted"] > 0, "the tiny cache never preempted"
+    assert sched.kv_cache_manager.num_prefix_hit_blocks > 0 and sched.kv_cache_manager.block_pool.num_evictions > 0
+    _assert_no_leak(sched, 9)
 
 
 def test_batch_metadata_literal(s):

@@ -258,22 +258,24 @@ def test_engine_greedy_matches_transformers(hf_greedy, family, mode):
     assert [o.output_token_ids for o in outs] == hf_greedy[family]
     assert all(o.finished and len(o.logprobs) == len(o.output_token_ids) for o in outs)
     stats = engine.stats()
-    assert stats["num_free_blocks"] == stats["num_blocks"] == config.num_blocks  # (4) no block leak
+    # (4) no block leak: every block but the null block (block 0, never handed out) is free again
+    assert stats["num_free_blocks"] == stats["num_blocks"] - 1 == config.num_blocks - 1
     if mode == "chunked":
         assert stats["num_prefix_hit_blocks"] > 0
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_preemption_keeps_tokens(hf_greedy, family):
-    # 7 blocks of 4 slots: the longest request (19 + 8 tokens) needs all 7, so the four cannot run together.
-    config = EngineConfig(block_size=4, num_blocks=7, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+    # 7 usable blocks of 4 slots (+ the null block): the longest request (19 + 8 tokens) needs all 7, so the
+    # four cannot run together.
+    config = EngineConfig(block_size=4, num_blocks=8, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
                           mode="ragged")
     engine = LLMEngine(FAMILIES[family], config)
     outs = engine.generate(_prompts(), GREEDY)
     assert [o.output_token_ids for o in outs] == hf_greedy[family]
     stats = engine.stats()
     assert stats["num_preemptions"] > 0
-    assert stats["num_free_blocks"] == config.num_blocks
+    assert stats["num_free_blocks"] == config.num_blocks - 1
 
 
 def test_engine_logprobs_are_raw_log_softmax():

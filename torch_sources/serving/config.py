@@ -10,7 +10,7 @@ __all__ = ["MODES", "EngineConfig", "SamplingParams"]
 
 # core: one request at a time (prefill the whole prompt, then decode).
 # ragged: many requests in one paged cache, decoded together; each prompt is prefilled whole.
-# chunked: a token budget per step; decodes first, then chunks of prompts; prefix reuse of full blocks.
+# chunked: a token budget per step; running requests first, then chunks of new prompts; prefix reuse of full blocks.
 MODES = ("core", "ragged", "chunked")
 
 

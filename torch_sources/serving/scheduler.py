@@ -5,10 +5,12 @@ One engine step is schedule() -> the model runs the SchedulerOutput -> update_fr
 Modes (EngineConfig.mode):
 - core: one request at a time; its whole prompt in one step, then one token per step.
 - ragged: up to max_num_seqs requests decode together; a waiting prompt is prefilled whole when it fits.
-- chunked: a token budget per step; running decodes first, then running partial prefills, then new requests,
-  whose prompts are cut into chunks to fill the remaining budget.
-When blocks run out, the latest running request is preempted by recompute: its blocks are freed, its
-num_computed_tokens is reset to 0 and it goes back to the front of the waiting queue.
+- chunked: a token budget per step; prompts are cut into chunks to fill the remaining budget.
+One scheduling pass, as vLLM v1's: running requests first, in queue order, whatever they need next (a decode,
+a prefill chunk, a recompute), then waiting requests FCFS. When blocks run out, the last running request (the
+lowest priority) is preempted by recompute: its blocks are freed, its num_computed_tokens is reset to 0 and it
+goes back to the front of the waiting queue. Once the request being scheduled preempts itself, the running
+pass stops; after any preemption no waiting request is admitted in that step.
 
 This is the original in torch_sources/serving/; serving_engine/scheduler.py is the JAX engine's own copy.
 """
@@ -26,7 +28,7 @@ __all__ = ["SchedulerOutput", "Scheduler"]
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    # One entry per scheduled request, in schedule order (decodes, then partial prefills, then new requests).
+    # One entry per scheduled request, in schedule order (running requests in queue order, then new ones).
     scheduled_req_ids: list[str]
     num_scheduled_tokens: list[int]  # query length of each request this step
     num_computed_tokens: list[int]  # tokens already in the KV cache before this step (context length)
@@ -69,11 +71,11 @@ class Scheduler:
         # Most KV the request can ever hold: the whole prompt, or everything but the last sampled token.
         max_kv_tokens = max(n, min(n + request.sampling_params.max_tokens, cfg.max_model_len) - 1)
         blocks_needed = -(-max_kv_tokens // cfg.block_size)
-        if blocks_needed > cfg.num_blocks:
+        if blocks_needed > cfg.num_blocks - 1:
             # Alone in the cache it would still run out of blocks, so it would preempt itself forever.
             raise ValueError(
                 f"request {rid!r} can never fit in the KV cache: up to {max_kv_tokens} tokens need {blocks_needed} "
-                f"blocks of {cfg.block_size}, the cache has num_blocks={cfg.num_blocks}")
+                f"blocks of {cfg.block_size}, the cache has num_blocks={cfg.num_blocks} (one is the null block)")
         request.arrival_index = self._num_arrivals
         self._num_arrivals += 1
         self.requests[rid] = request
@@ -100,25 +102,23 @@ class Scheduler:
         new_blocks: dict[str, list[int]] = {}
         preempted: list[Request] = []
 
-        # 1. Running requests: decodes first, then partial prefills, each in admission order.
-        for want_decode in (True, False):
-            for req in list(self.running):
-                if budget == 0:
+        # 1. Running requests, in queue order (vLLM v1 has no prefill or decode phase).
+        req_index = 0
+        while req_index < len(self.running) and budget > 0:
+            req = self.running[req_index]
+            num_new = self._cap(req.num_tokens - req.num_computed_tokens, budget)
+            while (blocks := kv.allocate_slots(req, num_new)) is None:
+                victim = self.running.pop()  # the lowest priority: the last admitted
+                budget += self._preempt(victim, scheduled, new_blocks)
+                preempted.append(victim)
+                if victim is req:
                     break
-                if req.status != RequestStatus.RUNNING or self._is_decode(req) != want_decode:
-                    continue  # preempted earlier in this step, or belongs to the other pass
-                num_new = self._cap(req.num_tokens - req.num_computed_tokens, budget)
-                while (blocks := kv.allocate_slots(req, num_new)) is None:
-                    victim = self.running.pop()
-                    budget += self._preempt(victim, scheduled, new_blocks)
-                    preempted.append(victim)
-                    if victim is req:
-                        break
-                if blocks is None:
-                    continue
-                scheduled[req.request_id] = num_new
-                new_blocks[req.request_id] = [b.block_id for b in blocks]
-                budget -= num_new
+            if blocks is None:
+                break  # it preempted itself: the cache cannot hold even the request being scheduled
+            scheduled[req.request_id] = num_new
+            new_blocks[req.request_id] = [b.block_id for b in blocks]
+            budget -= num_new
+            req_index += 1
 
         # 2. Waiting requests, FCFS; none after a preemption (the cache is full) and none past max_num_seqs.
         while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_running:
@@ -204,15 +204,16 @@ class Scheduler:
         return scheduled.pop(req.request_id, 0)
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
-        # Same order as vllm/v1/core/sched/utils.py::check_stop: length first, then eos, then stop tokens.
+        # Same order as vllm/v1/core/sched/utils.py::check_stop: eos, then stop tokens, then the length caps, so a
+        # stop token sampled as the last allowed token finishes as "stop", not "length".
         params, last = req.sampling_params, req.output_token_ids[-1]
-        if req.num_tokens >= self.config.max_model_len or req.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
         if not params.ignore_eos and req.eos_token_id is not None and last == req.eos_token_id:
             return RequestStatus.FINISHED_STOPPED
         if last in params.stop_token_ids:
             req.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
+        if req.num_tokens >= self.config.max_model_len or req.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
