@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 from rich.console import Console
+from rich.markup import escape
 
 from grader.h5schema import SCHEMA_VERSION, write_reference
 from recorder.provenance import ROOT, provenance, stale_reasons
@@ -52,9 +53,10 @@ def _package_versions() -> dict[str, str]:
 
 
 def record(cfg: DictConfig) -> Path:
-    """Run the task's torch source in fp32 and write references/<task>.h5; return its path."""
-    from recorder.device import device_description, setup_device
+    """Run the task's torch source in fp32 on cfg.device and write references/<task>.h5; return its path."""
+    from recorder.device import check_device, device_description, record_on, setup_device
 
+    check_device(cfg.device.name)  # an unknown device, or cuda without a GPU, before anything else
     name = cfg.task_name
     out_dir = (ROOT / cfg.out_dir) if not os.path.isabs(cfg.out_dir) else Path(cfg.out_dir)
     try:
@@ -71,7 +73,8 @@ def record(cfg: DictConfig) -> Path:
     import torch
     probes = importlib.import_module(f"recorder.probes.{task_class(cfg)}")
     started = time.perf_counter()
-    checks, band, wall = probes.record_task(cfg, dev, console)
+    # off the CPU: an audited pass (every aten op on dev), then the recorded one, which must reproduce it
+    checks, band, wall = record_on(dev, lambda: probes.record_task(cfg, dev, console), console.print)
     attrs = {
         "schema_version": SCHEMA_VERSION,
         "task": name,
@@ -117,6 +120,6 @@ def run(cfg: DictConfig) -> int:
     try:
         record(cfg)
     except (FileNotFoundError, RuntimeError, ValueError) as e:
-        console.print(f"[red]recording {cfg.task_name} failed:[/] {e}")
+        console.print(f"[red]recording {cfg.task_name} failed:[/] {escape(str(e))}")
         return 1
     return 0
