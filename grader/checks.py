@@ -85,6 +85,9 @@ SERVING_CHECKS = (
     _c("L5", "greedy_sequences", "behavioral", "agreement", "the live engine's greedy outputs on the workload"),
     _c("L5", "sampled_sequences", "behavioral", "agreement", "seeded sampled outputs (numpy noise) on the workload"),
     _c("L5", "engine_invariants", "behavioral", "agreement", "prefix-cache hits, every block back in the pool"),
+    _c("L5", "schedule_trace", "behavioral", "agreement",
+       "under a KV pool that preempts and evicts: per step the scheduled ids and token counts, preempted ids, "
+       "block tables, freed and evicted blocks"),
     _c("L6", "heldout_logprobs", "behavioral", "tensor", "held-out prompt log-probs"),
     _c("L6", "next_token_dists", "behavioral", "distributional", "next-token distributions along the greedy runs"),
 )

@@ -69,6 +69,10 @@ class BlockPool:
         self.num_queries = 0  # get_cached_block lookups
         self.num_hits = 0  # lookups that found a block
         self.num_evictions = 0  # cached blocks whose hash was dropped on reuse
+        # Block ids as they return to the free list and as their cached hash is evicted, in event order, until
+        # take_block_events() hands them over (the scheduler's per-step trace).
+        self.freed_block_ids: list[int] = []
+        self.evicted_block_ids: list[int] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -134,6 +138,13 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_list[block.block_id] = block
+                self.freed_block_ids.append(block.block_id)
+
+    def take_block_events(self) -> tuple[list[int], list[int]]:
+        """(freed, evicted) block ids since the last call, in event order."""
+        events = self.freed_block_ids, self.evicted_block_ids
+        self.freed_block_ids, self.evicted_block_ids = [], []
+        return events
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is held (as in vLLM)."""
@@ -153,3 +164,4 @@ class BlockPool:
             del self.cached_blocks[block.block_hash]
         block.block_hash = None
         self.num_evictions += 1
+        self.evicted_block_ids.append(block.block_id)

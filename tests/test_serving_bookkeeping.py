@@ -660,3 +660,45 @@ def test_batch_metadata_literal(s):
         s.build_batch_metadata(out, reqs, 4, 4, 2, [8])
     with pytest.raises(ValueError, match="max_num_seqs"):
         s.build_batch_metadata(out, reqs, 4, 2, 3, [8])
+
+
+# -- the per-step trace (graded at L5 as schedule_trace) ------------------------------------------------------
+def test_step_trace_records_schedule_preemptions_tables_and_block_events(s):
+    # A pool that must preempt and evict: the trace is one entry per step, each what that step's SchedulerOutput
+    # said, and its freed/evicted ids are exactly the pool's events of that step, in order.
+    cfg = s.EngineConfig(block_size=4, num_blocks=9, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=64,
+                         mode="ragged", enable_prefix_caching=True, record_trace=True)
+    freed_log, evicted_log = [], []
+
+    def watch(sched, out):  # count the pool's events independently of take_block_events
+        pool = sched.kv_cache_manager.block_pool
+        freed_log.append(list(pool.freed_block_ids))
+        evicted_log.append(list(pool.evicted_block_ids))
+
+    sched, _, _, steps = _run(s, cfg, _workload(s, n=4, prompt_len=11, max_tokens=9), on_step=watch)
+    trace = sched.trace
+    assert len(trace) == len(steps)
+    for entry, (_, out) in zip(trace, steps):
+        assert entry.scheduled_req_ids == out.scheduled_req_ids
+        assert entry.num_scheduled_tokens == out.num_scheduled_tokens
+        assert entry.preempted_req_ids == out.preempted_req_ids
+        assert entry.block_tables == out.block_tables and all(0 not in t for t in entry.block_tables)
+    preempted = [rid for e in trace for rid in e.preempted_req_ids]
+    evicted = [b for e in trace for b in e.evicted_block_ids]
+    freed = [b for e in trace for b in e.freed_block_ids]
+    assert preempted and evicted, "the scenario must preempt and evict"
+    # events seen mid-step (after schedule) are a prefix of what the step's entry reports
+    for entry, mid_freed, mid_evicted in zip(trace, freed_log, evicted_log):
+        assert entry.freed_block_ids[:len(mid_freed)] == mid_freed
+        assert entry.evicted_block_ids[:len(mid_evicted)] == mid_evicted
+    assert 0 not in freed and 0 not in evicted
+    # every block handed out comes back: freed ids cover all usable blocks that were ever used
+    assert set(freed) <= set(range(1, cfg.num_blocks)) and sched.kv_cache_manager.block_pool.take_block_events() == ([], [])
+    _assert_no_leak(sched, cfg.num_blocks)
+
+
+def test_no_trace_unless_asked(s):
+    cfg = s.EngineConfig(block_size=4, num_blocks=16, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64,
+                         mode="ragged")
+    sched, _, _, steps = _run(s, cfg, _workload(s, n=2))
+    assert steps and sched.trace == []

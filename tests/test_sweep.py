@@ -117,6 +117,21 @@ def test_a_real_sweep_of_two_defects_catches_both_with_the_expected_checks(tmp_p
 
 
 @pytest.mark.sandbox
+@pytest.mark.parametrize("did, only_trace", [
+    ("serve-free-head-first", True),
+    pytest.param("serve-no-null-block", False, marks=pytest.mark.slow),  # also tripped by the greedy checks
+])
+def test_block_pool_defects_are_caught_by_the_pressure_trace(tmp_path, did, only_trace):
+    # Freeing head first keeps every token: only the per-step trace under a preempting, evicting pool sees it.
+    # Without a null block, padded block-table entries alias a live request's KV: the tokens change as well.
+    result = sweep.sweep_task("llama3-chunked", [DEFECTS[did]], tmp_path, progress=lambda msg: None, levels=("L5",))
+    (rec,) = result["defects"]
+    assert rec["caught"] and "L5/schedule_trace" in rec["tripped"], rec
+    assert (rec["tripped"] == ["L5/schedule_trace"]) == only_trace, rec["tripped"]
+    assert rec["scores"]["L5/schedule_trace"] < 0.99
+
+
+@pytest.mark.sandbox
 @pytest.mark.parametrize("task, did, check", [
     ("llama3-core", "serve-min-p-before-temperature", "L1/sampler_pipeline"),
     ("llama3-sft", "train-template-eos-not-replaced", "L1/collate"),

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from grader.probes.common import n, run_probes
+from grader.trace import trace_arrays
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -243,6 +245,19 @@ def probe_engine_invariants(ctx, inp):
             "num_blocks": np.array(stats["num_blocks"], np.int64)}
 
 
+def probe_schedule_trace(ctx, inp):
+    # the mode's engine under pressure (recorder/probes/serving.py::pressure_config), the candidate's own trace
+    config = replace(ctx.engine_config, num_blocks=int(inp["num_blocks"]), enable_prefix_caching=True,
+                     record_trace=True)
+    engine = sv("engine").LLMEngine(ctx.ckpt, config)
+    engine.generate(_unpad(inp["prompts"]), sv("config").SamplingParams(
+        temperature=0.0, max_tokens=ctx.workload["max_tokens"], ignore_eos=True))
+    trace = engine.scheduler.trace
+    out = trace_arrays(trace, config.max_num_seqs, config.max_blocks_per_seq, config.num_blocks)
+    return out | {"num_preemptions": np.array(sum(len(s.preempted_req_ids) for s in trace), np.int64),
+                  "num_evictions": np.array(sum(len(s.evicted_block_ids) for s in trace), np.int64)}
+
+
 def probe_heldout_logprobs(ctx, inp):
     runner, out = ctx.fresh_runner(), {}
     for key in sorted(inp):
@@ -273,7 +288,7 @@ PROBES = {
     "prefill_t5": probe_prefill, "prefill_t17": probe_prefill, "prefill_t40": probe_prefill,
     "decode_logits": probe_decode_logits, "cache_state": probe_cache_state,
     "greedy_sequences": probe_greedy_sequences, "sampled_sequences": probe_sampled_sequences,
-    "engine_invariants": probe_engine_invariants,
+    "engine_invariants": probe_engine_invariants, "schedule_trace": probe_schedule_trace,
     "heldout_logprobs": probe_heldout_logprobs, "next_token_dists": probe_next_token_dists,
 }
 

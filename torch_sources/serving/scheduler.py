@@ -23,7 +23,7 @@ from .config import EngineConfig
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 
-__all__ = ["SchedulerOutput", "Scheduler"]
+__all__ = ["SchedulerOutput", "StepTrace", "Scheduler"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,17 @@ class SchedulerOutput:
         return sum(self.num_scheduled_tokens)
 
 
+@dataclass(frozen=True)
+class StepTrace:
+    """What one engine step did to the schedule and the KV cache (EngineConfig.record_trace)."""
+    scheduled_req_ids: list[str]  # in schedule order
+    num_scheduled_tokens: list[int]
+    preempted_req_ids: list[str]
+    block_tables: list[list[int]]  # of each scheduled request, after this step's allocation
+    freed_block_ids: list[int]  # back in the free list this step (preemptions, finished requests), in order
+    evicted_block_ids: list[int]  # cached blocks whose hash was dropped on reuse this step, in order
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -57,6 +68,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last one has the lowest priority
         self.finished_req_ids: list[str] = []
         self._num_arrivals = 0
+        self.trace: list[StepTrace] = []  # one entry per update_from_output when config.record_trace
 
     def add_request(self, request: Request) -> None:
         cfg, rid, n = self.config, request.request_id, request.num_prompt_tokens
@@ -179,6 +191,13 @@ class Scheduler:
             if status is not None:
                 self._finish(req, status)
                 finished.append(req)
+        # Every block event since the previous step ended belongs to this one (schedule and update alternate).
+        freed, evicted = self.kv_cache_manager.block_pool.take_block_events()
+        if self.config.record_trace:
+            out = scheduler_output
+            self.trace.append(StepTrace(list(out.scheduled_req_ids), list(out.num_scheduled_tokens),
+                                        list(out.preempted_req_ids), [list(t) for t in out.block_tables],
+                                        freed, evicted))
         return finished
 
     # -- helpers ---------------------------------------------------------------------------------------------

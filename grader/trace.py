@@ -1,0 +1,38 @@
+"""The scheduler's per-step trace as fixed-shape arrays, the same on both sides of the L5 check.
+
+Scheduler.trace (EngineConfig.record_trace) holds one StepTrace per engine step: the scheduled
+request ids and token counts, the preempted ids, each scheduled request's block table, and the
+block ids freed and evicted in that step. Each becomes an int64 array padded with -1 (0 for token
+counts), so the grader compares them element by element (agreement) and a schedule that takes a
+different number of steps mismatches in shape. Numpy only: the recorder and the sandboxed child
+both import it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["trace_arrays"]
+
+
+def _rows(rows, width: int, fill: int = -1) -> np.ndarray:
+    out = np.full((len(rows), width), fill, np.int64)
+    for i, row in enumerate(rows):
+        if len(row) > width:
+            raise ValueError(f"trace row {i} holds {len(row)} entries, more than {width}")
+        out[i, :len(row)] = [int(x) for x in row]
+    return out
+
+
+def trace_arrays(trace, max_num_seqs: int, max_blocks_per_seq: int, num_blocks: int) -> dict[str, np.ndarray]:
+    steps = list(trace)
+    tables = np.full((len(steps), max_num_seqs, max_blocks_per_seq), -1, np.int64)
+    for i, step in enumerate(steps):
+        tables[i, :len(step.block_tables)] = _rows(step.block_tables, max_blocks_per_seq)
+    return {
+        "scheduled_req_ids": _rows([s.scheduled_req_ids for s in steps], max_num_seqs),
+        "num_scheduled_tokens": _rows([s.num_scheduled_tokens for s in steps], max_num_seqs, 0),
+        "preempted_req_ids": _rows([s.preempted_req_ids for s in steps], max_num_seqs),
+        "block_tables": tables,
+        "freed_block_ids": _rows([s.freed_block_ids for s in steps], num_blocks),
+        "evicted_block_ids": _rows([s.evicted_block_ids for s in steps], num_blocks),
+    }
