@@ -412,8 +412,9 @@ def _stage(tmp: Path, root: Path, include: tuple[str, ...]) -> tuple[Path, Path,
 
 
 def _sealed_command(root, entry, inputs_dir, inputs_name, outputs_dir, outputs_name, staged, jax_platforms,
-                    compile_cache) -> tuple[list[str], dict | None]:
-    """bwrap around the verifier interpreter; every path the child sees is a sandbox path."""
+                    compile_cache, tmp: Path) -> tuple[list[str], dict, Path, tuple[int, ...]]:
+    """bwrap around the verifier interpreter; every path the child sees is a sandbox path. bwrap reads its
+    options from a descriptor (the last element), so /proc/1/cmdline inside names no host path."""
     v = sandbox.ensure_sandbox()
     view = sandbox.VIEW
     boot, grader_parent, copy = staged
@@ -429,15 +430,19 @@ def _sealed_command(root, entry, inputs_dir, inputs_name, outputs_dir, outputs_n
         env.update(_CACHE_VARS, JAX_COMPILATION_CACHE_DIR=view.compile_cache)
     code = _BOOTSTRAP.format(path=path, entry=entry, inputs=f"{view.inputs}/{inputs_name}",
                              outputs=f"{view.out}/{outputs_name}")
-    gpu = jax_platforms is None or jax_platforms != "cpu"
     cmd = sandbox.bwrap_command(v, boot=boot, grader=grader_parent, candidate=copy, inputs=inputs_dir,
                                 out=outputs_dir, env=env, argv=[f"{view.venv}/bin/python", "-I", "-c", code],
-                                compile_cache=compile_cache, gpu=gpu)
-    return cmd, None  # bwrap --clearenv builds the child's environment; bwrap itself needs none
+                                compile_cache=compile_cache, gpu=jax_platforms != "cpu")
+    split = cmd.index("--")
+    options = tmp / "bwrap.args"
+    options.write_bytes(b"".join(os.fsencode(a) + b"\0" for a in cmd[1:split]))
+    fd = os.open(options, os.O_RDONLY | os.O_CLOEXEC)
+    # bwrap --clearenv builds the child's environment; bwrap itself needs none
+    return [cmd[0], "--args", str(fd), *cmd[split:]], {}, tmp, (fd,)
 
 
 def _trusted_command(root, entry, inputs_dir, inputs_name, outputs_dir, outputs_name, staged, jax_platforms,
-                     deny_read, compile_cache) -> tuple[list[str], dict]:
+                     deny_read, compile_cache) -> tuple[list[str], dict, Path, tuple[int, ...]]:
     """No namespaces: the verifier interpreter behind the Python-level fence only (trusted code)."""
     v = sandbox.verifier()
     boot, grader_parent, copy = staged
@@ -455,7 +460,7 @@ def _trusted_command(root, entry, inputs_dir, inputs_name, outputs_dir, outputs_
         env.update(_CACHE_VARS, JAX_COMPILATION_CACHE_DIR=str(compile_cache))
     code = _BOOTSTRAP.format(path=path, entry=entry, inputs=str(inputs_dir / inputs_name),
                              outputs=str(outputs_dir / outputs_name))
-    return [str(v.python), "-I", "-c", code], env
+    return [str(v.python), "-I", "-c", code], env, copy, ()
 
 
 def run_sandboxed(candidate_root: str | Path, entry: str, inputs_dir: str | Path, outputs_dir: str | Path,
@@ -496,24 +501,15 @@ def run_sandboxed(candidate_root: str | Path, entry: str, inputs_dir: str | Path
         staged = _stage(tmp, root, tuple(include))
         args = (root, entry, inputs_dir, inputs_name, outputs_dir, outputs_name, staged, jax_platforms)
         if trusted:
-            cmd, env = _trusted_command(*args, deny_read, cache)
-            cwd = staged[2]
+            cmd, env, cwd, pass_fds = _trusted_command(*args, deny_read, cache)
         else:
-            cmd, env = _sealed_command(*args, cache)
-            cwd = tmp
-        pass_fds = ()
-        if not trusted:  # bwrap reads its options from a descriptor: /proc/1/cmdline names no host path
-            split = cmd.index("--")
-            args = tmp / "bwrap.args"
-            args.write_bytes(b"".join(os.fsencode(a) + b"\0" for a in cmd[1:split]))
-            pass_fds = (os.open(args, os.O_RDONLY | os.O_CLOEXEC),)
-            cmd = [cmd[0], "--args", str(pass_fds[0]), *cmd[split:]]
+            cmd, env, cwd, pass_fds = _sealed_command(*args, cache, tmp)
         out_log, err_log = tmp / "stdout.log", tmp / "stderr.log"
         start = time.perf_counter()
         with open(out_log, "wb") as out, open(err_log, "wb") as err:
             # own session: on timeout the whole group goes, including anything the entry spawned
             try:
-                proc = subprocess.Popen(cmd, cwd=cwd, env=env if env is not None else {}, stdin=subprocess.DEVNULL,
+                proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                                         stdout=out, stderr=err, start_new_session=True, pass_fds=pass_fds)
             finally:
                 for fd in pass_fds:

@@ -3,15 +3,23 @@
 Scheduler.trace (EngineConfig.record_trace) holds one StepTrace per engine step: the scheduled
 request ids and token counts, the preempted ids, each scheduled request's block table, and the
 block ids freed and evicted in that step. Each becomes an int64 array padded with -1 (0 for token
-counts), so the grader compares them element by element (agreement) and a schedule that takes a
+counts), plus the preemption and eviction totals, so the grader compares them element by element (agreement) and a schedule that takes a
 different number of steps mismatches in shape. Numpy only: the recorder and the sandboxed child
 both import it.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
-__all__ = ["trace_arrays"]
+__all__ = ["pressure_config", "trace_arrays"]
+
+
+def pressure_config(engine_config, num_blocks: int):
+    """The mode's engine (either side's EngineConfig dataclass) with a KV pool small enough to preempt and
+    evict, prefix caching on (vLLM v1's default), and the per-step trace kept."""
+    return replace(engine_config, num_blocks=int(num_blocks), enable_prefix_caching=True, record_trace=True)
 
 
 def _rows(rows, width: int, fill: int = -1) -> np.ndarray:
@@ -29,6 +37,8 @@ def trace_arrays(trace, max_num_seqs: int, max_blocks_per_seq: int, num_blocks: 
     for i, step in enumerate(steps):
         tables[i, :len(step.block_tables)] = _rows(step.block_tables, max_blocks_per_seq)
     return {
+        "num_preemptions": np.array(sum(len(s.preempted_req_ids) for s in steps), np.int64),
+        "num_evictions": np.array(sum(len(s.evicted_block_ids) for s in steps), np.int64),
         "scheduled_req_ids": _rows([s.scheduled_req_ids for s in steps], max_num_seqs),
         "num_scheduled_tokens": _rows([s.num_scheduled_tokens for s in steps], max_num_seqs, 0),
         "preempted_req_ids": _rows([s.preempted_req_ids for s in steps], max_num_seqs),

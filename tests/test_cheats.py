@@ -376,12 +376,13 @@ def test_a_cache_left_in_home_or_tmp_by_one_child_is_gone_for_the_next(tmp_path,
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the fenced control's cache lands here, not in ~
     (tmp_path / "home").mkdir()
-    _grade(cand, tmp_path, ("L6",), task="llama3-core", only_checks=("next_token_dists",), trusted=True)
-    fenced5 = _by_name(_grade(cand, tmp_path, ("L5",), task="llama3-core", only_checks=("greedy_sequences",),
-                              trusted=True), "L5")["greedy_sequences"]
+    try:  # behind the fence alone the child's /tmp is the host's: the stash there is removed afterwards
+        _grade(cand, tmp_path, ("L6",), task="llama3-core", only_checks=("next_token_dists",), trusted=True)
+        fenced5 = _by_name(_grade(cand, tmp_path, ("L5",), task="llama3-core", only_checks=("greedy_sequences",),
+                                  trusted=True), "L5")["greedy_sequences"]
+    finally:
+        Path("/tmp/.t2j-stash.jsonl").unlink(missing_ok=True)
     assert fenced5["score"] >= 0.9, fenced5  # 11 of every 12 greedy tokens come from the L6 inputs
-    for stale in (Path("/tmp/.t2j-stash.jsonl"),):
-        stale.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- the exchange: outputs are untrusted data

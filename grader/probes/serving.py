@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from grader.probes.common import n, run_probes
-from grader.trace import trace_arrays
+from grader.trace import pressure_config, trace_arrays
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -246,16 +245,12 @@ def probe_engine_invariants(ctx, inp):
 
 
 def probe_schedule_trace(ctx, inp):
-    # the mode's engine under pressure (recorder/probes/serving.py::pressure_config), the candidate's own trace
-    config = replace(ctx.engine_config, num_blocks=int(inp["num_blocks"]), enable_prefix_caching=True,
-                     record_trace=True)
+    # the mode's engine under pressure, the candidate's own trace (recorder/probes/serving.py is the twin)
+    config = pressure_config(ctx.engine_config, inp["num_blocks"])
     engine = sv("engine").LLMEngine(ctx.ckpt, config)
     engine.generate(_unpad(inp["prompts"]), sv("config").SamplingParams(
         temperature=0.0, max_tokens=ctx.workload["max_tokens"], ignore_eos=True))
-    trace = engine.scheduler.trace
-    out = trace_arrays(trace, config.max_num_seqs, config.max_blocks_per_seq, config.num_blocks)
-    return out | {"num_preemptions": np.array(sum(len(s.preempted_req_ids) for s in trace), np.int64),
-                  "num_evictions": np.array(sum(len(s.evicted_block_ids) for s in trace), np.int64)}
+    return trace_arrays(engine.scheduler.trace, config.max_num_seqs, config.max_blocks_per_seq, config.num_blocks)
 
 
 def probe_heldout_logprobs(ctx, inp):

@@ -7,12 +7,11 @@ from __future__ import annotations
 import importlib
 import inspect
 import time
-from dataclasses import replace
 
 import numpy as np
 import torch
 
-from grader.trace import trace_arrays
+from grader.trace import pressure_config, trace_arrays
 from recorder.probes.training import ROOT, checkpoint_numels, n, public_names, rng_for, t
 
 SERVING_MODULES = ("serving/config.py", "serving/request.py", "serving/block_pool.py",
@@ -316,29 +315,19 @@ def probe_engine_invariants(ctx):
                 "num_blocks": np.array(stats["num_blocks"], np.int64)}
 
 
-def pressure_config(base, pressure):
-    """The mode's engine with a KV pool small enough to preempt and evict, prefix caching on (vLLM v1's
-    default), and the per-step trace kept."""
-    return replace(base, num_blocks=int(pressure.num_blocks), enable_prefix_caching=True, record_trace=True)
-
-
 def probe_schedule_trace(ctx):
     """The scheduler at work under pressure: per step, what ran, what was preempted, the block tables and
     the blocks freed and evicted. Refuses a workload that never evicts (or, beyond core mode, never preempts)."""
     prompts = workload(ctx.cfg, ctx.vocab)
-    config = pressure_config(ctx.engine_config, ctx.cfg.mode.pressure)
+    config = pressure_config(ctx.engine_config, ctx.cfg.mode.pressure.num_blocks)
     engine = sv("engine").LLMEngine(ctx.ckpt, config)
     engine.generate(prompts, sv("config").SamplingParams(temperature=0.0, max_tokens=ctx.cfg.mode.workload.max_tokens,
                                                          ignore_eos=True))
-    trace = engine.scheduler.trace
-    preemptions = sum(len(s.preempted_req_ids) for s in trace)
-    evictions = sum(len(s.evicted_block_ids) for s in trace)
+    out = trace_arrays(engine.scheduler.trace, config.max_num_seqs, config.max_blocks_per_seq, config.num_blocks)
+    preemptions, evictions = int(out["num_preemptions"]), int(out["num_evictions"])
     if evictions == 0 or (preemptions == 0 and config.max_running > 1):
         raise ValueError(f"the pressure workload of {ctx.cfg.task_name} does not bite: {preemptions} preemptions, "
                          f"{evictions} evictions with num_blocks={config.num_blocks}")
-    ctx.pressure = {"preemptions": preemptions, "evictions": evictions, "steps": len(trace)}
-    out = trace_arrays(trace, config.max_num_seqs, config.max_blocks_per_seq, config.num_blocks)
-    out |= {"num_preemptions": np.array(preemptions, np.int64), "num_evictions": np.array(evictions, np.int64)}
     return {"prompts": _pad(prompts, max(map(len, prompts))), "num_blocks": np.array(config.num_blocks, np.int64)}, out
 
 
