@@ -4,14 +4,15 @@ update_from_output. Twin of torch_sources/serving/engine.py; requests are token 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from conversion.safetensors_io import load_config
 from serving_engine.config import EngineConfig, SamplingParams
 from serving_engine.model_runner import ModelRunner
-from serving_engine.request import Request
+from serving_engine.request import Request, RequestStatus
+from serving_engine.sampler import Logprob
 from serving_engine.scheduler import Scheduler
 
 __all__ = ["RequestOutput", "LLMEngine", "eos_token_ids"]
@@ -19,18 +20,24 @@ __all__ = ["RequestOutput", "LLMEngine", "eos_token_ids"]
 
 @dataclass
 class RequestOutput:
+    """One request's state as vLLM's RequestOutput/CompletionOutput give it (token ids, no text)."""
     request_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    logprobs: list[float] = field(default_factory=list)  # of each output token under the raw logits
+    # SamplingParams.logprobs set: per output token {token id: Logprob}, the sampled token first; else None.
+    logprobs: list[dict[int, Logprob]] | None = None
+    # SamplingParams.prompt_logprobs set: per prompt token, None for the first, then {token id: Logprob}.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finished: bool = False
+    finish_reason: str | None = None  # "stop" (eos or a stop token), "length" (max_tokens, max_model_len)
+    stop_reason: int | None = None  # the stop token id that finished it (None for eos and for length)
 
 
-def eos_token_ids(model_dir) -> tuple[int, ...]:
-    """EOS ids of the checkpoint: generation_config.json's, else config.json's (an int or a list)."""
-    eos = None
+def eos_token_ids(model_dir, override_generation_config: Mapping | None = None) -> tuple[int, ...]:
+    """EOS ids: the override's eos_token_id if it names one, else generation_config.json's, else config.json's."""
+    eos = (override_generation_config or {}).get("eos_token_id")
     gen = Path(model_dir) / "generation_config.json"
-    if gen.is_file():
+    if eos is None and gen.is_file():
         eos = json.loads(gen.read_text()).get("eos_token_id")
     if eos is None:
         eos = load_config(model_dir).get("eos_token_id")
@@ -40,12 +47,14 @@ def eos_token_ids(model_dir) -> tuple[int, ...]:
 
 
 class LLMEngine:
-    def __init__(self, model_dir, engine_config: EngineConfig = EngineConfig(), **runner_kwargs):
-        """runner_kwargs go to ModelRunner (attn_impl, token_buckets)."""
+    def __init__(self, model_dir, engine_config: EngineConfig = EngineConfig(),
+                 override_generation_config: Mapping | None = None, **runner_kwargs):
+        """override_generation_config: keys that replace the checkpoint's generation config (vLLM's
+        --override-generation-config); only eos_token_id is read. runner_kwargs go to ModelRunner."""
         self.config = engine_config
         self.runner = ModelRunner(model_dir, engine_config, **runner_kwargs)
         self.scheduler = Scheduler(engine_config)
-        self.eos_token_ids = eos_token_ids(model_dir)
+        self.eos_token_ids = eos_token_ids(model_dir, override_generation_config)
         self._outputs: dict[str, RequestOutput] = {}  # unfinished requests
         self._requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -54,14 +63,28 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None) -> None:
         params = sampling_params or SamplingParams()
-        # Request holds one EOS id; a checkpoint's further EOS ids (Llama 3: <|eot_id|>) stop it as stop tokens.
+        # Request holds one EOS id; a checkpoint's further EOS ids (Llama 3: <|eot_id|>) stop it as stop tokens
+        # (vLLM's SamplingParams.update_from_generation_config).
         eos, extra = (self.eos_token_ids[0], self.eos_token_ids[1:]) if self.eos_token_ids else (None, ())
+        extra = tuple(e for e in extra if e != eos and e not in params.stop_token_ids)
         if extra and not params.ignore_eos:
-            params = replace(params, stop_token_ids=params.stop_token_ids + tuple(extra))
+            params = replace(params, stop_token_ids=params.stop_token_ids + extra)
         request = Request(str(request_id), list(prompt_token_ids), params, eos_token_id=eos)
         self.scheduler.add_request(request)
         self._requests[request.request_id] = request
-        self._outputs[request.request_id] = RequestOutput(request.request_id, list(request.prompt_token_ids), [])
+        n = len(request.prompt_token_ids)
+        self._outputs[request.request_id] = RequestOutput(
+            request.request_id, list(request.prompt_token_ids), [],
+            logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] * n if params.prompt_logprobs is not None else None)
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Finish these requests as aborted (vLLM's abort_request): their blocks go back to the pool at once and
+        no further output comes for them. Unknown or finished ids are ignored."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self.scheduler.abort_request(str(rid))
+            self._outputs.pop(str(rid), None)
+            self._requests.pop(str(rid), None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -70,8 +93,12 @@ class LLMEngine:
         """One schedule -> forward -> sample -> update round -> a snapshot of every request that got a token."""
         scheduler_output = self.scheduler.schedule()
         sampled = self.runner.execute_model(scheduler_output, self.scheduler.requests)
-        logprobs = self.runner.sampled_logprobs
-        finished = {r.request_id for r in self.scheduler.update_from_output(scheduler_output, sampled)}
+        for rid, entries in self.runner.prompt_logprobs.items():
+            prompt_logprobs = self._outputs[rid].prompt_logprobs
+            for position, entry in entries:  # a recompute after preemption repeats positions: keep the first
+                if prompt_logprobs[position + 1] is None:
+                    prompt_logprobs[position + 1] = entry
+        finished = {r.request_id: r for r in self.scheduler.update_from_output(scheduler_output, sampled)}
         self.num_steps += 1
         self.num_preemptions += len(scheduler_output.preempted_req_ids)
         results = []
@@ -80,9 +107,15 @@ class LLMEngine:
             if out is None or len(request.output_token_ids) == len(out.output_token_ids):
                 continue  # mid-prefill, or aborted: no new token
             out.output_token_ids.append(request.output_token_ids[-1])
-            out.logprobs.append(logprobs[rid])
-            out.finished = rid in finished
-            results.append(replace(out, output_token_ids=list(out.output_token_ids), logprobs=list(out.logprobs)))
+            if out.logprobs is not None:
+                out.logprobs.append(self.runner.sampled_logprobs[rid])
+            if rid in finished:
+                out.finished = True
+                out.finish_reason = RequestStatus.finish_reason(request.status)
+                out.stop_reason = request.stop_reason
+            results.append(replace(out, output_token_ids=list(out.output_token_ids),
+                                   logprobs=None if out.logprobs is None else list(out.logprobs),
+                                   prompt_logprobs=None if out.prompt_logprobs is None else list(out.prompt_logprobs)))
             if out.finished:
                 del self._outputs[rid], self._requests[rid]
         return results

@@ -37,9 +37,11 @@ class KVCacheManager:
         """Longest run of cached FULL blocks from the start of the request -> (blocks, num hit tokens).
 
         The hit never covers the last token: at least one token must run through the model to give logits,
-        so a fully cached prompt recomputes its last block (vLLM caps the hit at num_tokens - 1).
+        so a fully cached prompt recomputes its last block (vLLM caps the hit at num_tokens - 1). A request that
+        asks for prompt logprobs gets no hit: every prompt position must run through the model (as in vLLM).
         """
-        if not self.enable_caching or request.num_computed_tokens > 0:
+        if (not self.enable_caching or request.num_computed_tokens > 0
+                or request.sampling_params.prompt_logprobs is not None):
             return [], 0
         self._update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

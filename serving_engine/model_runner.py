@@ -6,8 +6,9 @@ Static shapes keep the number of compilations small: the flat token axis is padd
 (make_token_buckets: 16, 32, 64, ...), the per-sequence axis to max_num_seqs (1 in core mode), the block
 table to max_blocks_per_seq. The KV cache is an argument and a result of `step`, donated, so XLA updates
 it in place (tpu-inference's `donate_argnums` on kv_caches); the runner keeps only the returned value.
-Per step the host reads back one thing: the sampled ids with their logprobs, in one transfer. Rows whose
-token is discarded (a partial prefill chunk, a padding row) are sampled greedily and ignored.
+Per step the host reads back the sampled ids, plus the raw log-prob rows of only those requests that ask for
+logprobs (prompt logprobs switch to a variant of the step that also returns every token's log-probs). Rows
+whose token is discarded (a partial prefill chunk, a padding row) are sampled greedily and ignored.
 """
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ import numpy as np
 from serving_engine import models
 from serving_engine.config import EngineConfig
 from serving_engine.input_batch import PAD_SLOT_ID, BatchMetadata, build_batch_metadata, make_token_buckets, \
-    pick_bucket
+    pick_bucket, prompt_logprob_targets
 from serving_engine.paged_attention import AttentionMetadata, allocate_kv_cache, layer_kv_shapes
 from serving_engine.request import Request
-from serving_engine.sampler import Sampler, SamplingMetadata
+from serving_engine.sampler import Logprob, Sampler, SamplingMetadata, top_logprobs
 from serving_engine.scheduler import SchedulerOutput
 
 __all__ = ["ModelRunner", "attention_metadata"]
@@ -55,21 +56,28 @@ class ModelRunner:
         self.token_buckets = list(token_buckets or make_token_buckets(cfg.max_num_batched_tokens))
         # prefill_logits / teacher_forced_decode run one whole prompt, which may exceed a chunked budget.
         self._check_buckets = make_token_buckets(max(cfg.max_num_batched_tokens, cfg.max_model_len))
-        self.sampled_logprobs: dict[str, float] = {}  # logprob of each token the last execute_model sampled
+        # Of the last execute_model, for the requests that asked: the sampled token's logprobs dict, and
+        # (prompt position, dict of the next prompt token) for each prompt position it computed.
+        self.sampled_logprobs: dict[str, dict[int, Logprob]] = {}
+        self.prompt_logprobs: dict[str, list[tuple[int, dict[int, Logprob]]]] = {}
+        self.num_steps = 0  # steps run: the engine-wide noise of unseeded requests is keyed by it
         self.num_compilations = 0  # traces of the jitted functions (each trace is one XLA compilation)
         self.buckets_used: set[int] = set()  # token buckets execute_model has run
-        self._step = jax.jit(self._step_fn, donate_argnums=(1,))
+        self._step = jax.jit(self._step_fn, donate_argnums=(1,), static_argnames=("all_logprobs",))
         self._forward_logits = jax.jit(self._forward_logits_fn, donate_argnums=(1,))
 
     # ---- jitted bodies (Python here runs once per trace) ---------------------------------------------------
-    def _step_fn(self, model, kv_cache, input_ids, positions, attn_meta, logits_indices, sampling):
-        """-> (sampled ids i32[S], their logprobs f32[S], kv_cache). input_ids/positions i32[T_bucket],
-        logits_indices i32[S] (S = max_num_seqs)."""
+    def _step_fn(self, model, kv_cache, input_ids, positions, attn_meta, logits_indices, sampling,
+                 all_logprobs=False):
+        """-> (sampled ids i32[S], raw log-probs f32[S,V], kv_cache, log-probs f32[T_bucket,V] of every token
+        when all_logprobs (prompt logprobs) else None). input_ids/positions i32[T_bucket], logits_indices i32[S]
+        (S = max_num_seqs)."""
         self.num_compilations += 1
         hidden, kv_cache = self.family.forward_paged(model, input_ids, positions, kv_cache, attn_meta)
         logits = self.family.compute_logits(model, hidden[logits_indices])  # f32[S,V]
-        ids, logprobs = self.sampler(logits, sampling)
-        return ids, logprobs, kv_cache
+        ids, raw_logprobs = self.sampler(logits, sampling)
+        every = jax.nn.log_softmax(self.family.compute_logits(model, hidden), -1) if all_logprobs else None
+        return ids, raw_logprobs, kv_cache, every
 
     def _forward_logits_fn(self, model, kv_cache, input_ids, positions, attn_meta):
         """-> (logits f32[T_bucket,V] at every token, kv_cache)."""
@@ -80,23 +88,37 @@ class ModelRunner:
     # ---- engine step ---------------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, int]:
         """Run one scheduled step -> {request_id: sampled token} for the requests whose prompt is complete
-        after this step (will_sample); their logprobs land in self.sampled_logprobs."""
+        after this step (will_sample); logprobs asked for land in self.sampled_logprobs / self.prompt_logprobs."""
         cfg, out = self.engine_config, scheduler_output
-        self.sampled_logprobs = {}
+        self.sampled_logprobs, self.prompt_logprobs = {}, {}
         if out.num_seqs == 0:
             return {}
+        step, self.num_steps = self.num_steps, self.num_steps + 1
         batch = build_batch_metadata(out, requests, cfg.block_size, self.max_num_seqs, cfg.max_blocks_per_seq,
                                      self.token_buckets)
         self.buckets_used.add(batch.padded_num_tokens)
         sampling = SamplingMetadata.from_requests([requests[r] for r in batch.req_ids], self.vocab_size,
-                                                  num_rows=self.max_num_seqs, sample_rows=out.will_sample)
-        ids, logprobs, self.kv_cache = self._step(
+                                                  num_rows=self.max_num_seqs, sample_rows=out.will_sample,
+                                                  engine_seed=cfg.seed, step=step)
+        targets = prompt_logprob_targets(batch, requests)
+        ids, raw_logprobs, self.kv_cache, every = self._step(
             self.model, self.kv_cache, _i32(batch.input_ids), _i32(batch.positions),
-            attention_metadata(batch, self.attn_impl), _i32(batch.logits_indices), sampling)
-        ids, logprobs = jax.device_get((ids, logprobs))  # the step's one device -> host transfer
+            attention_metadata(batch, self.attn_impl), _i32(batch.logits_indices), sampling,
+            all_logprobs=bool(targets))
         rows = [i for i, sample in enumerate(out.will_sample) if sample]
         rids = [batch.req_ids[i] for i in rows]
-        self.sampled_logprobs = {r: float(logprobs[i]) for r, i in zip(rids, rows)}
+        want = [k for k, r in enumerate(rids) if requests[r].sampling_params.logprobs is not None]
+        # One transfer: the ids, and only the log-prob rows some request asked for.
+        ids, lp_rows, prompt_rows = jax.device_get((
+            ids, raw_logprobs[np.asarray([rows[k] for k in want], np.int32)] if want else None,
+            every[np.asarray([t.token_index for t in targets], np.int32)] if targets else None))
+        for t, row in zip(targets, prompt_rows if targets else ()):
+            self.prompt_logprobs.setdefault(t.request_id, []).append(
+                (t.position, top_logprobs(row, t.next_token_id, t.num_logprobs)))
+        for j, k in enumerate(want):
+            rid = rids[k]
+            self.sampled_logprobs[rid] = top_logprobs(lp_rows[j], int(ids[rows[k]]),
+                                                      requests[rid].sampling_params.logprobs)
         return {r: int(ids[i]) for r, i in zip(rids, rows)}
 
     # ---- standalone checks (own block table over the runner's cache; no scheduler) --------------------------

@@ -3,9 +3,12 @@
     raw logprobs -> penalties -> greedy argmax -> temperature -> min_p -> top_k / top_p -> exponential race
 
 Twin of torch_sources/serving/sampler.py: same operators, same order, same numpy noise.
-- Logprobs are those of the sampled token under the raw logits (vLLM's default "raw_logprobs").
+- Log-probs are the raw logits' log_softmax (vLLM's default logprobs_mode "raw_logprobs"); the runner
+  turns the rows a request asked for into vLLM logprobs dicts (`top_logprobs`).
 - Greedy rows (temperature < 1e-5) take the argmax after penalties, before any other transform.
-- Random rows take argmax(probs / q), q ~ Exp(1). The noise is drawn by numpy from (seed, step) per request
+- Random rows take argmax(probs / q), q ~ Exp(1). A seeded request's noise is drawn by numpy from (seed, step)
+  (`exponential_noise`); an unseeded one's from the engine-wide stream (`engine_noise`: engine seed, engine
+  step, batch row), as vLLM draws unseeded rows from the one global generator, so they depend on the batch.
   (`exponential_noise`) and handed in, so the torch engine given the same seeds draws the same tokens.
 Which optional stages run is decided on the host (static flags of SamplingMetadata), so a greedy batch
 compiles to argmax alone; a skipped stage would be the identity on its neutral parameters anyway.
@@ -14,15 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import zlib
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SAMPLING_EPS", "exponential_noise", "request_seed", "apply_penalties", "apply_temperature",
-           "apply_min_p", "apply_top_k_top_p", "greedy_sample", "random_sample", "SamplingMetadata", "Sampler"]
+__all__ = ["SAMPLING_EPS", "exponential_noise", "apply_penalties", "apply_temperature",
+           "apply_min_p", "apply_top_k_top_p", "greedy_sample", "random_sample", "SamplingMetadata", "Sampler",
+           "ENGINE_STREAM", "engine_noise", "Logprob", "top_logprobs"]
 
 SAMPLING_EPS = 1e-5  # vLLM _SAMPLING_EPS: a temperature below it is greedy
 
@@ -32,9 +35,35 @@ def exponential_noise(seed: int, step: int, vocab: int) -> np.ndarray:
     return np.random.default_rng([seed, step]).standard_exponential(vocab, dtype=np.float32)
 
 
-def request_seed(request_id: str, seed: int | None) -> int:
-    """SamplingParams.seed, or for an unseeded request a stable hash of its id (reproducible across engines)."""
-    return int(seed) if seed is not None else zlib.crc32(request_id.encode("utf-8"))
+# A fixed first word keeps the engine-wide stream apart from every per-request (seed, step) stream.
+ENGINE_STREAM = 0x7F4A7C15
+
+
+def engine_noise(engine_seed: int, step: int, row: int, vocab: int) -> np.ndarray:
+    """f32[vocab] of Exp(1) noise for batch row `row` of engine step `step`: what an unseeded request draws."""
+    return np.random.default_rng([ENGINE_STREAM, engine_seed, step, row]).standard_exponential(vocab,
+                                                                                               dtype=np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """One entry of a vLLM logprobs dict: the raw log-probability and its 1-based rank in the vocabulary."""
+    logprob: float
+    rank: int
+
+
+def top_logprobs(row: np.ndarray, token_id: int, num: int) -> dict[int, Logprob]:
+    """vLLM's logprobs entry of one position from its raw log-softmax row f32[V]: the chosen token first, then
+    the `num` most likely (ties: lower id first; -1 = the whole vocabulary). Rank = 1 + tokens strictly above."""
+    row = np.asarray(row, np.float32)
+    order = np.argsort(-row, kind="stable")[: row.shape[-1] if num == -1 else num]
+    ids = [int(token_id), *order.tolist()]
+    neg_sorted = np.sort(-row)  # ascending; the count of entries below -x = tokens strictly above x
+    ranks = np.searchsorted(neg_sorted, -row[ids], side="left") + 1
+    out: dict[int, Logprob] = {}
+    for t, rank in zip(ids, ranks.tolist()):
+        out.setdefault(t, Logprob(float(row[t]), int(rank)))
+    return out
 
 
 # ---- transforms (each f32[B,V] -> f32[B,V]; per-row parameters are f32[B] / i32[B]) -------------------------
@@ -117,8 +146,10 @@ class SamplingMetadata:
 
     @classmethod
     def from_requests(cls, requests: Sequence, vocab_size: int, num_rows: int | None = None,
-                      sample_rows: Sequence[bool] | None = None) -> "SamplingMetadata":
-        """Rows from serving Request objects (sampling_params, prompt/output token ids, request_id), as numpy.
+                      sample_rows: Sequence[bool] | None = None, *, engine_seed: int = 0,
+                      step: int = 0) -> "SamplingMetadata":
+        """Rows from serving Request objects (sampling_params, prompt/output token ids), as numpy. Row i is
+        batch row i: an unseeded random row draws engine_noise(engine_seed, step, i).
         num_rows pads to a fixed row count (greedy, neutral rows), so the jitted step keeps its shape;
         sample_rows[i] False marks a row whose token is discarded (a partial prefill): it is made greedy so
         no noise is drawn for it."""
@@ -145,8 +176,9 @@ class SamplingMetadata:
             noise = np.ones((B, vocab_size), np.float32)
             for row in np.flatnonzero(random_rows):
                 r = requests[row]
-                noise[row] = exponential_noise(request_seed(r.request_id, r.sampling_params.seed),
-                                               len(r.output_token_ids), vocab_size)
+                seed = r.sampling_params.seed
+                noise[row] = (engine_noise(engine_seed, step, int(row), vocab_size) if seed is None
+                              else exponential_noise(seed, len(r.output_token_ids), vocab_size))
         top_k, top_p, min_p = col("top_k", 0, np.int32), col("top_p", 1.0), col("min_p", 0.0)
         return cls(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                    repetition_penalty=col("repetition_penalty", 1.0),
@@ -158,7 +190,7 @@ class SamplingMetadata:
 
 class Sampler:
     def __call__(self, logits, metadata: SamplingMetadata):
-        """logits f32[B,V] -> (token ids i32[B], logprobs f32[B] of those tokens under the raw logits)."""
+        """logits f32[B,V] -> (token ids i32[B], raw log-probs f32[B,V]: log_softmax of the logits as given)."""
         m = metadata
         logits = logits.astype(jnp.float32)
         raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
@@ -174,4 +206,4 @@ class Sampler:
                 logits = apply_top_k_top_p(logits, m.top_k, m.top_p)
             sampled = random_sample(jax.nn.softmax(logits, axis=-1), m.exponential_noise)
             ids = jnp.where(m.temperature < SAMPLING_EPS, ids, sampled)
-        return ids, jnp.take_along_axis(raw_logprobs, ids[:, None], axis=-1)[:, 0]
+        return ids, raw_logprobs

@@ -25,6 +25,8 @@ class EngineConfig:
     mode: str = "chunked"
     long_prefill_token_threshold: int = 0  # chunked only: cap one request's chunk (0 = no cap)
     record_trace: bool = False  # keep a StepTrace of every step in Scheduler.trace (graded at L5)
+    # Seeds the engine-wide noise stream of unseeded random requests (vLLM's EngineArgs.seed, default 0).
+    seed: int = 0
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -33,6 +35,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
         if self.mode not in MODES:
             raise ValueError(f"EngineConfig.mode must be one of {MODES}, got {self.mode!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ValueError(f"EngineConfig.seed must be an int >= 0, got {self.seed!r}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.long_prefill_token_threshold and self.mode != "chunked":
@@ -75,6 +79,10 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    # Per output token / per prompt token: the top-N raw log-probs plus the chosen token's (vLLM's `logprobs`
+    # and `prompt_logprobs`): None = not returned, 0 = the chosen token only, -1 = the whole vocabulary.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         # A list passed by a caller becomes a tuple so the params stay hashable and immutable.
@@ -94,6 +102,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < -1):
+                raise ValueError(f"{name} must be None, -1 (whole vocabulary) or an int >= 0, got {value!r}")
 
     @property
     def greedy(self) -> bool:

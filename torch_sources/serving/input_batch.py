@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from .request import Request
 from .scheduler import SchedulerOutput
 
-__all__ = ["PAD_SLOT_ID", "BatchMetadata", "pick_bucket", "make_token_buckets", "build_batch_metadata"]
+__all__ = ["PAD_SLOT_ID", "BatchMetadata", "PromptLogprobTarget", "pick_bucket", "make_token_buckets",
+           "build_batch_metadata", "prompt_logprob_targets"]
 
 PAD_SLOT_ID = -1  # padding tokens write nowhere (a JAX runner maps it to an out-of-range index with mode="drop")
 
@@ -94,3 +95,28 @@ def build_batch_metadata(scheduler_output: SchedulerOutput, requests: Mapping[st
         num_tokens=num_tokens,
         padded_num_tokens=padded,
     )
+
+
+@dataclass(frozen=True)
+class PromptLogprobTarget:
+    request_id: str
+    token_index: int  # index in the step's flat token axis whose logits predict the next prompt token
+    position: int  # that token's position in the prompt
+    next_token_id: int  # prompt_token_ids[position + 1]
+    num_logprobs: int  # SamplingParams.prompt_logprobs
+
+
+def prompt_logprob_targets(batch: BatchMetadata, requests: Mapping[str, Request]) -> list[PromptLogprobTarget]:
+    """Prompt positions of this step whose next token is a prompt token, for the requests that ask for
+    prompt logprobs (vLLM's prompt_logprobs: one entry per prompt token after the first, chunk by chunk)."""
+    targets = []
+    for row, rid in enumerate(batch.req_ids):
+        req = requests[rid]
+        num = req.sampling_params.prompt_logprobs
+        if num is None:
+            continue
+        for i in range(batch.query_start_loc[row], batch.query_start_loc[row + 1]):
+            pos = batch.positions[i]
+            if pos + 1 < req.num_prompt_tokens:
+                targets.append(PromptLogprobTarget(rid, i, pos, req.prompt_token_ids[pos + 1], num))
+    return targets

@@ -2,7 +2,8 @@
 
 execute_model: SchedulerOutput -> input_batch.BatchMetadata (plain lists) -> tensors -> forward_paged over the
 ragged batch -> hidden of each request's last scheduled token -> logits -> Sampler. A request still
-mid-prefill is not sampled (vLLM samples and discards it; nothing it would give is used).
+mid-prefill is not sampled (vLLM samples and discards it; nothing it would give is used). Logprobs dicts are
+built only for the requests that ask (SamplingParams.logprobs / prompt_logprobs), from the raw logits.
 """
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import torch
 
 from torch_sources.serving import models
 from torch_sources.serving.config import EngineConfig
-from torch_sources.serving.input_batch import BatchMetadata, build_batch_metadata
+from torch_sources.serving.input_batch import BatchMetadata, build_batch_metadata, prompt_logprob_targets
 from torch_sources.serving.paged_attention import AttentionMetadata, allocate_kv_cache, layer_kv_shapes
 from torch_sources.serving.request import Request
-from torch_sources.serving.sampler import Sampler, SamplingMetadata
+from torch_sources.serving.sampler import Logprob, Sampler, SamplingMetadata, top_logprobs
 from torch_sources.serving.scheduler import SchedulerOutput
 
 __all__ = ["ModelRunner", "attention_metadata"]
@@ -40,7 +41,11 @@ class ModelRunner:
         self.vocab_size = self.model_config.vocab_size
         self.kv_cache = allocate_kv_cache(self.model_config, engine_config)
         self.sampler = Sampler()
-        self.sampled_logprobs: dict[str, float] = {}  # logprob of each token the last execute_model sampled
+        # Of the last execute_model, for the requests that asked: the sampled token's logprobs dict, and
+        # (prompt position, dict of the next prompt token) for each prompt position it computed.
+        self.sampled_logprobs: dict[str, dict[int, Logprob]] = {}
+        self.prompt_logprobs: dict[str, list[tuple[int, dict[int, Logprob]]]] = {}
+        self.num_steps = 0  # steps run: the engine-wide noise of unseeded requests is keyed by it
 
     # ---- engine step ---------------------------------------------------------------------------------------
     def _forward(self, batch: BatchMetadata):  # -> final-normed hidden f32[T,D]
@@ -52,23 +57,35 @@ class ModelRunner:
     @torch.no_grad()
     def execute_model(self, scheduler_output: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, int]:
         """Run one scheduled step -> {request_id: sampled token} for the requests whose prompt is complete
-        after this step (will_sample); their logprobs land in self.sampled_logprobs."""
+        after this step (will_sample); logprobs asked for land in self.sampled_logprobs / self.prompt_logprobs."""
         cfg = self.engine_config
-        self.sampled_logprobs = {}
+        self.sampled_logprobs, self.prompt_logprobs = {}, {}
         if scheduler_output.num_seqs == 0:
             return {}
+        step, self.num_steps = self.num_steps, self.num_steps + 1
         batch = build_batch_metadata(scheduler_output, requests, cfg.block_size, scheduler_output.num_seqs,
                                      cfg.max_blocks_per_seq)
         hidden = self._forward(batch)
+        targets = prompt_logprob_targets(batch, requests)
+        if targets:
+            logits = self.family.compute_logits(self.model, hidden[[t.token_index for t in targets]])
+            rows_lp = torch.log_softmax(logits.float(), dim=-1).numpy()
+            for t, row in zip(targets, rows_lp):
+                self.prompt_logprobs.setdefault(t.request_id, []).append(
+                    (t.position, top_logprobs(row, t.next_token_id, t.num_logprobs)))
         rows = [i for i, s in enumerate(scheduler_output.will_sample) if s]
         if not rows:
             return {}
         rids = [batch.req_ids[i] for i in rows]
         logits = self.family.compute_logits(self.model, hidden[[batch.logits_indices[i] for i in rows]])
-        ids, logprobs = self.sampler(logits, SamplingMetadata.from_requests([requests[r] for r in rids],
-                                                                            self.vocab_size))
-        self.sampled_logprobs = dict(zip(rids, logprobs.tolist()))
-        return dict(zip(rids, ids.tolist()))
+        ids, raw_logprobs = self.sampler(logits, SamplingMetadata.from_requests(
+            [requests[r] for r in rids], self.vocab_size, engine_seed=cfg.seed, step=step, rows=rows))
+        ids = ids.tolist()
+        for k, rid in enumerate(rids):
+            num = requests[rid].sampling_params.logprobs
+            if num is not None:
+                self.sampled_logprobs[rid] = top_logprobs(raw_logprobs[k].numpy(), ids[k], num)
+        return dict(zip(rids, ids))
 
     # ---- standalone checks (own block table over the runner's cache; no scheduler) --------------------------
     def _single_sequence_batch(self, token_ids: Sequence[int], start: int) -> BatchMetadata:

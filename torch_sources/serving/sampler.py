@@ -2,22 +2,25 @@
 
     raw logprobs -> penalties -> greedy argmax -> temperature -> min_p -> top_k / top_p -> exponential race
 
-- Logprobs are those of the sampled token under the raw logits (vLLM's default "raw_logprobs").
+- Log-probs are the raw logits' log_softmax (vLLM's default logprobs_mode "raw_logprobs"); the runner
+  turns the rows a request asked for into vLLM logprobs dicts (`top_logprobs`).
 - Greedy rows (temperature < 1e-5) take the argmax after penalties, before any other transform.
-- Random rows take argmax(probs / q), q ~ Exp(1). The noise is drawn by numpy from (seed, step) per request
+- Random rows take argmax(probs / q), q ~ Exp(1). A seeded request's noise is drawn by numpy from (seed, step)
+  (`exponential_noise`); an unseeded one's from the engine-wide stream (`engine_noise`: engine seed, engine
+  step, batch row), as vLLM draws unseeded rows from the one global generator, so they depend on the batch.
   (`exponential_noise`), so another engine given the same seeds draws the same tokens.
 """
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-__all__ = ["SAMPLING_EPS", "exponential_noise", "request_seed", "apply_penalties", "apply_temperature",
-           "apply_min_p", "apply_top_k_top_p", "greedy_sample", "random_sample", "SamplingMetadata", "Sampler"]
+__all__ = ["SAMPLING_EPS", "exponential_noise", "apply_penalties", "apply_temperature",
+           "apply_min_p", "apply_top_k_top_p", "greedy_sample", "random_sample", "SamplingMetadata", "Sampler",
+           "ENGINE_STREAM", "engine_noise", "Logprob", "top_logprobs"]
 
 SAMPLING_EPS = 1e-5  # vLLM _SAMPLING_EPS: a temperature below it is greedy
 
@@ -27,9 +30,35 @@ def exponential_noise(seed: int, step: int, vocab: int) -> np.ndarray:
     return np.random.default_rng([seed, step]).standard_exponential(vocab, dtype=np.float32)
 
 
-def request_seed(request_id: str, seed: int | None) -> int:
-    """SamplingParams.seed, or for an unseeded request a stable hash of its id (reproducible across engines)."""
-    return int(seed) if seed is not None else zlib.crc32(request_id.encode("utf-8"))
+# A fixed first word keeps the engine-wide stream apart from every per-request (seed, step) stream.
+ENGINE_STREAM = 0x7F4A7C15
+
+
+def engine_noise(engine_seed: int, step: int, row: int, vocab: int) -> np.ndarray:
+    """f32[vocab] of Exp(1) noise for batch row `row` of engine step `step`: what an unseeded request draws."""
+    return np.random.default_rng([ENGINE_STREAM, engine_seed, step, row]).standard_exponential(vocab,
+                                                                                               dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One entry of a vLLM logprobs dict: the raw log-probability and its 1-based rank in the vocabulary."""
+    logprob: float
+    rank: int
+
+
+def top_logprobs(row: np.ndarray, token_id: int, num: int) -> dict[int, Logprob]:
+    """vLLM's logprobs entry of one position from its raw log-softmax row f32[V]: the chosen token first, then
+    the `num` most likely (ties: lower id first; -1 = the whole vocabulary). Rank = 1 + tokens strictly above."""
+    row = np.asarray(row, np.float32)
+    order = np.argsort(-row, kind="stable")[: row.shape[-1] if num == -1 else num]
+    ids = [int(token_id), *order.tolist()]
+    neg_sorted = np.sort(-row)  # ascending; the count of entries below -x = tokens strictly above x
+    ranks = np.searchsorted(neg_sorted, -row[ids], side="left") + 1
+    out: dict[int, Logprob] = {}
+    for t, rank in zip(ids, ranks.tolist()):
+        out.setdefault(t, Logprob(float(row[t]), int(rank)))
+    return out
 
 
 # ---- transforms (each f32[B,V] -> f32[B,V]; per-row parameters are f32[B] / i32[B]) -------------------------
@@ -107,9 +136,12 @@ class SamplingMetadata:
         return bool((self.temperature < SAMPLING_EPS).all())
 
     @classmethod
-    def from_requests(cls, requests: Sequence, vocab_size: int) -> "SamplingMetadata":
-        """Rows from serving Request objects (sampling_params, prompt/output token ids, request_id)."""
+    def from_requests(cls, requests: Sequence, vocab_size: int, *, engine_seed: int = 0, step: int = 0,
+                      rows: Sequence[int] | None = None) -> "SamplingMetadata":
+        """Rows from serving Request objects (sampling_params, prompt/output token ids). An unseeded random row
+        draws engine_noise(engine_seed, step, rows[i]): rows are the requests' places in the step's batch."""
         ps = [r.sampling_params for r in requests]
+        rows = list(range(len(requests))) if rows is None else list(rows)
 
         def col(name, dtype=torch.float32):
             return torch.tensor([getattr(p, name) for p in ps], dtype=dtype)
@@ -126,9 +158,10 @@ class SamplingMetadata:
         noise = None
         if any(p.temperature >= SAMPLING_EPS for p in ps):
             noise = torch.from_numpy(np.stack([
-                exponential_noise(request_seed(r.request_id, p.seed), len(r.output_token_ids), vocab_size)
-                if p.temperature >= SAMPLING_EPS else np.ones(vocab_size, np.float32)
-                for r, p in zip(requests, ps)]))
+                np.ones(vocab_size, np.float32) if p.temperature < SAMPLING_EPS
+                else engine_noise(engine_seed, step, row, vocab_size) if p.seed is None
+                else exponential_noise(p.seed, len(r.output_token_ids), vocab_size)
+                for r, p, row in zip(requests, ps, rows)]))
         return cls(temperature=col("temperature"), top_k=col("top_k", torch.int32), top_p=col("top_p"),
                    min_p=col("min_p"), repetition_penalty=col("repetition_penalty"),
                    presence_penalty=col("presence_penalty"), frequency_penalty=col("frequency_penalty"),
@@ -137,7 +170,7 @@ class SamplingMetadata:
 
 class Sampler:
     def __call__(self, logits, metadata: SamplingMetadata):
-        """logits f32[B,V] -> (token ids i64[B], logprobs f32[B] of those tokens under the raw logits)."""
+        """logits f32[B,V] -> (token ids i64[B], raw log-probs f32[B,V]: log_softmax of the logits as given)."""
         m = metadata
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -153,4 +186,4 @@ class Sampler:
                 logits = apply_top_k_top_p(logits, m.top_k, m.top_p)
             sampled = random_sample(torch.softmax(logits, dim=-1), m.exponential_noise)
             ids = torch.where(m.temperature < SAMPLING_EPS, ids, sampled)
-        return ids, raw_logprobs.gather(-1, ids[:, None])[:, 0]
+        return ids, raw_logprobs
