@@ -88,8 +88,15 @@ SERVING_CHECKS = (
     _c("L5", "schedule_trace", "behavioral", "agreement",
        "under a KV pool that preempts and evicts: per step the scheduled ids and token counts, preempted ids, "
        "block tables, freed and evicted blocks"),
-    _c("L6", "heldout_logprobs", "behavioral", "tensor", "held-out prompt log-probs"),
-    _c("L6", "next_token_dists", "behavioral", "distributional", "next-token distributions along the greedy runs"),
+    _c("L5", "stop_conditions", "behavioral", "agreement",
+       "requests that stop at eos, a second eos id, a stop token (also as the last allowed token), max_tokens, "
+       "max_model_len, past eos with ignore_eos, and one aborted: outputs, finish and stop reasons, blocks freed"),
+    _c("L5", "sampling_branches", "behavioral", "agreement",
+       "a top-p-only batch (seeded) and a min-p-only batch (unseeded: the engine-wide noise stream)"),
+    _c("L6", "heldout_logprobs", "behavioral", "tensor",
+       "held-out prompt log-probs and top-5 values through the live engine (prompt_logprobs, across chunks)"),
+    _c("L6", "next_token_dists", "behavioral", "distributional",
+       "the live engine's whole next-token distributions along its greedy runs (logprobs=-1)"),
 )
 
 CHECKS_BY_CLASS = {"training": (TRAINING_SPEC, TRAINING_CHECKS), "serving": (SERVING_SPEC, SERVING_CHECKS)}

@@ -89,6 +89,9 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
     def step(self) -> list[RequestOutput]:
         """One schedule -> forward -> sample -> update round -> a snapshot of every request that got a token."""
         scheduler_output = self.scheduler.schedule()

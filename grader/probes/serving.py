@@ -14,6 +14,8 @@ import numpy as np
 
 from grader.probes.common import n, run_probes
 from grader.trace import pressure_config, trace_arrays
+from grader.workloads import (TOP_LOGPROBS, branch_params, dense_logprobs, prompt_logprob_arrays,
+                              run_stop_workload, sampled_params, stop_params)
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -214,14 +216,11 @@ def probe_cache_state(ctx, inp):
 
 # ---- L5 / L6 -----------------------------------------------------------------------------------
 
-SAMPLED = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.1)
-
-
 def _generate(ctx, inp, sampled):
     SP, w = sv("config").SamplingParams, ctx.workload
     prompts = _unpad(inp["prompts"])
-    params = [SP(temperature=0.0, max_tokens=w["max_tokens"], ignore_eos=True) if not sampled else
-              SP(max_tokens=w["max_tokens"], ignore_eos=True, seed=100 + i, **SAMPLED) for i in range(len(prompts))]
+    params = (sampled_params(SP, len(prompts), w["max_tokens"]) if sampled else
+              [SP(temperature=0.0, max_tokens=w["max_tokens"], ignore_eos=True)] * len(prompts))
     engine = sv("engine").LLMEngine(ctx.ckpt, ctx.engine_config)
     outs = engine.generate(prompts, params)
     return outs, engine.stats()
@@ -253,23 +252,39 @@ def probe_schedule_trace(ctx, inp):
     return trace_arrays(engine.scheduler.trace, config.max_num_seqs, config.max_blocks_per_seq, config.num_blocks)
 
 
+def probe_stop_conditions(ctx, inp):
+    engine = sv("engine").LLMEngine(ctx.ckpt, ctx.engine_config,
+                                    override_generation_config={"eos_token_id": inp["eos_token_ids"].tolist()})
+    return run_stop_workload(engine, _unpad(inp["prompts"]), stop_params(sv("config").SamplingParams, inp),
+                             inp["abort_after"])
+
+
+def probe_sampling_branches(ctx, inp):
+    prompts, out = _unpad(inp["prompts"]), {}
+    for name, params in branch_params(sv("config").SamplingParams, len(prompts), ctx.workload["max_tokens"]).items():
+        outs = sv("engine").LLMEngine(ctx.ckpt, ctx.engine_config).generate(prompts, params)
+        out[name] = _pad([o.output_token_ids for o in outs], ctx.workload["max_tokens"])
+    return out
+
+
+def _prompts_of(inp):
+    return [[int(x) for x in inp[f"prompt_{i}"]] for i in range(len([k for k in inp if k.startswith("prompt_")]))]
+
+
 def probe_heldout_logprobs(ctx, inp):
-    runner, out = ctx.fresh_runner(), {}
-    for key in sorted(inp):
-        p = [int(x) for x in inp[key]]
-        lp = jax.nn.log_softmax(jnp.asarray(runner.prefill_logits(p)), -1)[:-1]
-        out[key] = n(jnp.take_along_axis(lp, jnp.asarray(p[1:])[:, None], -1)[:, 0])
+    outs = sv("engine").LLMEngine(ctx.ckpt, ctx.engine_config).generate(
+        _prompts_of(inp), sv("config").SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=TOP_LOGPROBS))
+    out = {}
+    for i, o in enumerate(outs):
+        out[f"prompt_{i}"], out[f"top_{i}"] = prompt_logprob_arrays(o, TOP_LOGPROBS)
     return out
 
 
 def probe_next_token_dists(ctx, inp):
-    out = {}
-    for i in range(len([k for k in inp if k.startswith("prompt_")])):
-        p, c = inp[f"prompt_{i}"].tolist(), inp[f"continuation_{i}"].tolist()
-        logits, _ = ctx.fresh_runner().teacher_forced_decode(p, c)
-        first = np.asarray(ctx.fresh_runner().prefill_logits(p))[-1:]
-        out[f"logits_{i}"] = np.concatenate([first, np.asarray(logits)])
-    return out
+    outs = sv("engine").LLMEngine(ctx.ckpt, ctx.engine_config).generate(
+        _prompts_of(inp), sv("config").SamplingParams(temperature=0.0, max_tokens=ctx.workload["max_tokens"],
+                                                      ignore_eos=True, logprobs=-1))
+    return {f"logprobs_{i}": dense_logprobs(o.logprobs, ctx.vocab) for i, o in enumerate(outs)}
 
 
 PROBES = {
@@ -284,6 +299,7 @@ PROBES = {
     "decode_logits": probe_decode_logits, "cache_state": probe_cache_state,
     "greedy_sequences": probe_greedy_sequences, "sampled_sequences": probe_sampled_sequences,
     "engine_invariants": probe_engine_invariants, "schedule_trace": probe_schedule_trace,
+    "stop_conditions": probe_stop_conditions, "sampling_branches": probe_sampling_branches,
     "heldout_logprobs": probe_heldout_logprobs, "next_token_dists": probe_next_token_dists,
 }
 

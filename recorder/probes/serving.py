@@ -12,16 +12,18 @@ import numpy as np
 import torch
 
 from grader.trace import pressure_config, trace_arrays
+from grader.workloads import (TOP_LOGPROBS, branch_params, dense_logprobs, prompt_logprob_arrays,
+                              run_stop_workload, sampled_params, stop_params)
 from recorder.probes.training import ROOT, checkpoint_numels, n, public_names, rng_for, t
 
 SERVING_MODULES = ("serving/config.py", "serving/request.py", "serving/block_pool.py",
                    "serving/kv_cache_manager.py", "serving/scheduler.py", "serving/input_batch.py",
                    "serving/paged_attention.py", "serving/sampler.py", "serving/model_runner.py",
                    "serving/engine.py")
-ENGINE_API = ("LLMEngine.add_request", "LLMEngine.step", "LLMEngine.generate", "LLMEngine.stats",
-              "ModelRunner.prefill_logits", "ModelRunner.teacher_forced_decode")
+ENGINE_API = ("LLMEngine.add_request", "LLMEngine.abort_request", "LLMEngine.step", "LLMEngine.generate",
+              "LLMEngine.get_num_unfinished_requests", "LLMEngine.stats", "ModelRunner.prefill_logits", "ModelRunner.teacher_forced_decode")
 PROMPT_LENS = {"prefill_t5": 5, "prefill_t17": 17, "prefill_t40": 40}
-SAMPLED = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.1)
+HELDOUT_LENS = (12, 25, 14)  # 25 > the chunked budget: prompt logprobs across chunks
 
 
 def sv(name):
@@ -44,14 +46,22 @@ class Ctx:
 
 
 def workload(cfg, vocab: int, name: str = "workload"):
-    """Prompts of the mode's workload; with shared_prefix, most prompts start with the same tokens."""
+    """Prompts of the mode's workload. With shared_prefix, most prompts start with the same tokens. The
+    second and the last prompt hold the same two full blocks mid-prompt, each after its own block-aligned
+    prefix: equal blocks after different prefixes must never share KV (the block hash chains the prefix)."""
     w, r = cfg.mode.workload, rng_for(f"{cfg.task_name}/{name}")
     lo, hi = w.prompt_len
+    bs = cfg.mode.engine.block_size
     prefix = list(r.integers(3, vocab, w.shared_prefix)) if w.shared_prefix else []
+    middle = list(r.integers(3, vocab, 2 * bs))
     prompts = []
     for i in range(w.num_requests):
         body = list(r.integers(3, vocab, int(r.integers(lo, hi + 1))))
-        prompts.append([int(x) for x in ((prefix + body) if prefix and i % 4 != 3 else body)])
+        if i in (1, w.num_requests - 1):
+            body = list(r.integers(3, vocab, bs * (1 + (i > 1)))) + middle + body[:bs]
+        elif prefix and i % 4 != 3:
+            body = prefix + body
+        prompts.append([int(x) for x in body])
     return prompts
 
 
@@ -284,8 +294,8 @@ def run_workload(ctx, sampled: bool):
     cfg, SP = ctx.cfg, sv("config").SamplingParams
     prompts = workload(cfg, ctx.vocab)
     w = cfg.mode.workload
-    params = [SP(temperature=0.0, max_tokens=w.max_tokens, ignore_eos=True) if not sampled else
-              SP(max_tokens=w.max_tokens, ignore_eos=True, seed=100 + i, **SAMPLED) for i in range(len(prompts))]
+    params = (sampled_params(SP, len(prompts), w.max_tokens) if sampled else
+              [SP(temperature=0.0, max_tokens=w.max_tokens, ignore_eos=True)] * len(prompts))
     engine = sv("engine").LLMEngine(ctx.ckpt, ctx.engine_config)
     started = time.perf_counter()
     outs = engine.generate(prompts, params)
@@ -297,7 +307,6 @@ def run_workload(ctx, sampled: bool):
 def probe_greedy_sequences(ctx):
     prompts, outs, stats, wall = run_workload(ctx, sampled=False)
     ctx.wall = wall
-    ctx.greedy = (prompts, outs)
     return ({"prompts": _pad(prompts, max(map(len, prompts)))},
             {"output_ids": _pad([o.output_token_ids for o in outs], ctx.cfg.mode.workload.max_tokens)})
 
@@ -331,26 +340,89 @@ def probe_schedule_trace(ctx):
     return {"prompts": _pad(prompts, max(map(len, prompts))), "num_blocks": np.array(config.num_blocks, np.int64)}, out
 
 
+def _first_occurrence(row, lo, hi, banned=()):
+    """(position, token) of the first token in row[lo:hi] that occurs nowhere before it and is not banned."""
+    for p in range(lo, min(hi, len(row))):
+        if row[p] not in row[:p] and row[p] not in banned:
+            return p, row[p]
+    raise ValueError(f"no fresh token in positions {lo}..{hi} of {row}")
+
+
+def plan_stop_workload(ctx):
+    """Requests that finish every way vLLM finishes one, planned from a free run (same seeds, eos ignored):
+    0 at eos (the generation config's first id), 1 at its second eos id, 2 at a stop token, 3 at a stop token
+    that is also its last allowed token, 4 at max_tokens, 5 as 0 but ignore_eos, 6 aborted after 3 tokens,
+    7 at max_model_len (a prompt longer than the chunked budget)."""
+    w, cfg, SP = ctx.cfg.mode.workload, ctx.engine_config, sv("config").SamplingParams
+    r, (lo, hi), M = rng_for(f"{ctx.cfg.task_name}/stop"), w.prompt_len, w.max_tokens
+    prompts = [[int(x) for x in r.integers(3, ctx.vocab, int(r.integers(lo, hi + 1)))] for _ in range(7)]
+    prompts[5] = prompts[0]
+    prompts.append([int(x) for x in r.integers(3, ctx.vocab, cfg.max_model_len - 3)])
+    n = len(prompts)
+    seeds = np.array([500, 501, 502, 503, 504, 500, 506, 507], np.int64)  # 5 repeats 0: same prompt, same draws
+    free_run = {"seed": seeds, "stop_token": [-1] * n, "max_tokens": [M] * n, "ignore_eos": [1] * n}
+    pre = sv("engine").LLMEngine(ctx.ckpt, cfg).generate(prompts, stop_params(SP, free_run))
+    outs = [o.output_token_ids for o in pre]
+    others = lambda *own: {t for i, o in enumerate(outs) if i not in own for t in o}  # noqa: E731
+    _, eos = _first_occurrence(outs[0], 1, M - 2, others(0, 5))
+    _, eos2 = _first_occurrence(outs[1], 1, M - 2, others(1, 5) | {eos})
+    _, stop2 = _first_occurrence(outs[2], 2, M - 2, {eos, eos2})
+    p3, stop3 = _first_occurrence(outs[3], 2, M - 2, {eos, eos2})
+    plan = {"seed": seeds, "stop_token": np.array([-1, -1, stop2, stop3, -1, -1, -1, -1], np.int64),
+            "max_tokens": np.array([M, M, M, p3 + 1, 4, M, M, M], np.int64),
+            "ignore_eos": np.array([0, 0, 0, 0, 0, 1, 0, 0], np.int64),
+            "abort_after": np.array([-1, -1, -1, -1, -1, -1, 3, -1], np.int64)}
+    return prompts, np.array([eos, eos2], np.int64), plan
+
+
+def probe_stop_conditions(ctx):
+    prompts, eos_ids, plan = plan_stop_workload(ctx)
+    engine = sv("engine").LLMEngine(ctx.ckpt, ctx.engine_config,
+                                    override_generation_config={"eos_token_id": eos_ids.tolist()})
+    out = run_stop_workload(engine, prompts, stop_params(sv("config").SamplingParams, plan), plan["abort_after"])
+    got = list(zip(out["finish_reason"].tolist(), out["stop_reason"].tolist()))
+    want = [(1, -1), (1, int(eos_ids[1])), (1, int(plan["stop_token"][2])), (1, int(plan["stop_token"][3])),
+            (2, -1), (2, -1), (3, -1), (2, -1)]
+    lens = [int((row >= 0).sum()) for row in out["output_ids"]]
+    if (got != want or lens[3] != plan["max_tokens"][3] or lens[4] != 4 or eos_ids[0] not in out["output_ids"][5]
+            or len(prompts[7]) + lens[7] != ctx.engine_config.max_model_len):
+        raise ValueError(f"the stop workload of {ctx.cfg.task_name} misses a stop condition: {got} != {want}")
+    return {"prompts": _pad(prompts, max(map(len, prompts))), "eos_token_ids": eos_ids, **plan}, out
+
+
+def probe_sampling_branches(ctx):
+    prompts, w = workload(ctx.cfg, ctx.vocab), ctx.cfg.mode.workload
+    out = {}
+    for name, params in branch_params(sv("config").SamplingParams, len(prompts), w.max_tokens).items():
+        outs = sv("engine").LLMEngine(ctx.ckpt, ctx.engine_config).generate(prompts, params)
+        out[name] = _pad([o.output_token_ids for o in outs], w.max_tokens)
+    return {"prompts": _pad(prompts, max(map(len, prompts)))}, out
+
+
 def probe_heldout_logprobs(ctx):
-    prompts = [_prompt(f"heldout_{i}", ctx.vocab, L).tolist() for i, L in enumerate((12, 25, 7))]
-    runner, out = ctx.fresh_runner(), {}
-    for i, p in enumerate(prompts):
-        lp = torch.log_softmax(runner.prefill_logits(p), -1)[:-1].gather(-1, torch.tensor(p[1:])[:, None])[:, 0]
-        out[f"prompt_{i}"] = n(lp)
+    """Held-out prompt log-probs through the live engine (SamplingParams.prompt_logprobs, chunk by chunk). The
+    third prompt starts with the first one's two full blocks: asking for prompt logprobs bypasses the cache."""
+    prompts = [_prompt(f"heldout_{i}", ctx.vocab, L).tolist() for i, L in enumerate(HELDOUT_LENS)]
+    head = 2 * ctx.engine_config.block_size
+    if head >= min(HELDOUT_LENS[0], HELDOUT_LENS[2]):
+        raise ValueError(f"block_size {ctx.engine_config.block_size} too large for the held-out prompts")
+    prompts[2][:head] = prompts[0][:head]
+    outs = sv("engine").LLMEngine(ctx.ckpt, ctx.engine_config).generate(
+        prompts, sv("config").SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=TOP_LOGPROBS))
+    out = {}
+    for i, o in enumerate(outs):
+        out[f"prompt_{i}"], out[f"top_{i}"] = prompt_logprob_arrays(o, TOP_LOGPROBS)
     return {f"prompt_{i}": np.array(p, np.int32) for i, p in enumerate(prompts)}, out
 
 
 def probe_next_token_dists(ctx):
-    """Next-token distributions along each greedy continuation (tie-robust: distributions, not argmaxes)."""
-    prompts, outs = ctx.greedy
-    inp, out = {}, {}
-    for i, (p, o) in enumerate(zip(prompts[:4], outs[:4])):
-        logits, _ = ctx.fresh_runner().teacher_forced_decode(p, o.output_token_ids[:-1])
-        first = ctx.fresh_runner().prefill_logits(p)[-1:]
-        inp[f"prompt_{i}"], inp[f"continuation_{i}"] = np.array(p, np.int32), np.array(o.output_token_ids[:-1],
-                                                                                       np.int32)
-        out[f"logits_{i}"] = n(torch.cat([first, logits]))
-    return inp, out
+    """The live engine's full next-token distribution at every greedy step (logprobs=-1)."""
+    prompts, w = workload(ctx.cfg, ctx.vocab)[:4], ctx.cfg.mode.workload
+    outs = sv("engine").LLMEngine(ctx.ckpt, ctx.engine_config).generate(
+        prompts, sv("config").SamplingParams(temperature=0.0, max_tokens=w.max_tokens, ignore_eos=True,
+                                             logprobs=-1))
+    return ({f"prompt_{i}": np.array(p, np.int32) for i, p in enumerate(prompts)},
+            {f"logprobs_{i}": dense_logprobs(o.logprobs, ctx.vocab) for i, o in enumerate(outs)})
 
 
 PROBES = {
@@ -365,6 +437,7 @@ PROBES = {
     "decode_logits": probe_teacher_forced, "cache_state": probe_cache_state,
     "greedy_sequences": probe_greedy_sequences, "sampled_sequences": probe_sampled_sequences,
     "engine_invariants": probe_engine_invariants, "schedule_trace": probe_schedule_trace,
+    "stop_conditions": probe_stop_conditions, "sampling_branches": probe_sampling_branches,
     "heldout_logprobs": probe_heldout_logprobs, "next_token_dists": probe_next_token_dists,
 }
 

@@ -1,0 +1,101 @@
+"""Serving workloads that the recorder (torch engine) and the grader (a candidate's engine) drive the same way.
+
+The recorder plans a workload and records the plan as the check's inputs; both sides then build their own
+SamplingParams and step their own engine with these functions, so the two runs differ only in the engine.
+Plain Python and numpy: the engine's classes come in as arguments.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["SAMPLED", "FINISH_CODES", "TOP_LOGPROBS", "sampled_params", "branch_params", "stop_params", "run_stop_workload",
+           "pad_rows", "unpad_rows", "dense_logprobs", "prompt_logprob_arrays"]
+
+# The L5 sampled workload: every optional stage of the sampler at once.
+SAMPLED = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.1)
+# finish_reason of a RequestOutput as an int (0: never finished, which a complete run does not leave).
+FINISH_CODES = {None: 0, "stop": 1, "length": 2, "abort": 3}
+TOP_LOGPROBS = 5  # L6 heldout_logprobs: prompt_logprobs=5, as vLLM's parity tests ask for top-5
+
+
+def pad_rows(rows, width: int | None = None, fill: int = -1) -> np.ndarray:
+    width = max(1, max(map(len, rows), default=1)) if width is None else width
+    out = np.full((len(rows), width), fill, np.int64)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
+
+
+def unpad_rows(rows) -> list[list[int]]:
+    return [[int(x) for x in row if x >= 0] for row in np.asarray(rows)]
+
+
+def sampled_params(SamplingParams, num: int, max_tokens: int) -> list:
+    return [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=100 + i, **SAMPLED) for i in range(num)]
+
+
+def branch_params(SamplingParams, num: int, max_tokens: int) -> dict[str, list]:
+    """Batches that take the sampler's other paths: top-p alone (seeded), min-p alone (unseeded: the
+    engine-wide noise stream, which depends on the batch and the step)."""
+    return {"top_p_only": [SamplingParams(temperature=1.0, top_p=0.7, seed=300 + i, max_tokens=max_tokens,
+                                          ignore_eos=True) for i in range(num)],
+            "min_p_only": [SamplingParams(temperature=1.3, min_p=0.1, max_tokens=max_tokens, ignore_eos=True)
+                           for _ in range(num)]}
+
+
+def stop_params(SamplingParams, plan) -> list:
+    """plan: i64 arrays over requests: seed, stop_token (-1 none), max_tokens, ignore_eos (0/1). Seeded sampling,
+    not greedy: a tiny random model's greedy run repeats one token, which leaves no distinct stop tokens."""
+    return [SamplingParams(temperature=1.0, seed=int(seed), max_tokens=int(m), ignore_eos=bool(ie),
+                           stop_token_ids=() if s < 0 else (int(s),))
+            for seed, s, m, ie in zip(plan["seed"], plan["stop_token"], plan["max_tokens"], plan["ignore_eos"])]
+
+
+def run_stop_workload(engine, prompts: Sequence[Sequence[int]], params: Sequence, abort_after) -> dict:
+    """Requests "0".."R-1" stepped to completion; request i is aborted once it holds abort_after[i] output
+    tokens (-1: never). -> the outputs each request ended with, its finish reason and stop reason (as ints),
+    the engine's unfinished-request count after every step (an abort must leave the scheduler at once) and
+    the free blocks once everything is done (an abort must give its blocks back)."""
+    ids = [str(i) for i in range(len(prompts))]
+    for rid, prompt, p in zip(ids, prompts, params):
+        engine.add_request(rid, list(prompt), p)
+    last: dict[str, list[int]] = {rid: [] for rid in ids}
+    reason = {rid: 0 for rid in ids}
+    stop = {rid: -1 for rid in ids}
+    unfinished = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            last[o.request_id] = list(o.output_token_ids)
+            if o.finished:
+                reason[o.request_id] = FINISH_CODES[o.finish_reason]
+                stop[o.request_id] = -1 if o.stop_reason is None else int(o.stop_reason)
+        for i, rid in enumerate(ids):
+            if 0 <= abort_after[i] <= len(last[rid]) and reason[rid] == 0:
+                engine.abort_request([rid])
+                reason[rid] = FINISH_CODES["abort"]
+        unfinished.append(engine.get_num_unfinished_requests())
+    return {"output_ids": pad_rows([last[rid] for rid in ids]),
+            "finish_reason": np.array([reason[rid] for rid in ids], np.int64),
+            "stop_reason": np.array([stop[rid] for rid in ids], np.int64),
+            "unfinished_per_step": np.array(unfinished, np.int64),
+            "free_blocks_after": np.array(engine.stats()["num_free_blocks"], np.int64)}
+
+
+def dense_logprobs(logprobs, vocab: int) -> np.ndarray:
+    """A RequestOutput's logprobs=-1 dicts -> f32[N, vocab] (a token missing from a dict is -inf)."""
+    out = np.full((len(logprobs), vocab), -np.inf, np.float32)
+    for j, entry in enumerate(logprobs):
+        for token, lp in entry.items():
+            out[j, token] = lp.logprob
+    return out
+
+
+def prompt_logprob_arrays(output, top: int) -> tuple[np.ndarray, np.ndarray]:
+    """A RequestOutput's prompt_logprobs -> (f32[n-1] log-prob of each prompt token after the first,
+    f32[n-1, top] the `top` largest log-probs at each position, descending: blind to which of tied ids)."""
+    entries = output.prompt_logprobs[1:]
+    chosen = np.array([e[t].logprob for e, t in zip(entries, output.prompt_token_ids[1:])], np.float32)
+    best = np.array([sorted((lp.logprob for lp in e.values()), reverse=True)[:top] for e in entries], np.float32)
+    return chosen, best
