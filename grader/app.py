@@ -20,6 +20,7 @@ from grader.h5schema import Reference, read_reference, write_arrays
 from grader.lattice import Check, earned_levels
 from grader.measures import score as measure_score
 from grader.reward import reward as compute_reward
+from grader.trace import reference_pressure
 
 ROOT = Path(__file__).resolve().parents[1]
 console = Console(width=150)
@@ -185,11 +186,16 @@ def _finish(task, candidate, results, ref, pass_bar, report_dir, stale, quiet, s
     report = {"task": task, "candidate": str(candidate), "reward": r, "earned_levels": levels,
               "gated": gated, "stale_reference": stale, "pass_bar": pass_bar,
               "isolation": "trusted: Python-level fence only" if trusted else "bubblewrap sandbox",
+              "reference_pressure": reference_pressure(ref),
               "checks": [asdict(c) for c in results], "series": series}
     report_dir.mkdir(parents=True, exist_ok=True)
     (report_dir / f"{task}.json").write_text(json.dumps(report, indent=2, default=float))
     if not quiet:
         _print_table(task, results, r, levels)
+        if report["reference_pressure"]:
+            p = report["reference_pressure"]
+            console.print(f"pressure run of the reference: {p['num_preemptions']} preemptions, "
+                          f"{p['num_evictions']} evictions")
     return report
 
 

@@ -88,6 +88,8 @@ def summary_rows(reports: list[dict]) -> list[dict]:
             notes.append("gated: " + r["gated"][:160])
         if r.get("stale_reference"):
             notes.append("stale reference")
+        if p := r.get("reference_pressure"):
+            notes.append(f"pressure run: {p['num_preemptions']} preemptions, {p['num_evictions']} evictions")
         bar = float(r.get("pass_bar", AMBER))
         failing = [f"{c['level']}/{c['name']}" for c in checks
                    if (c["score"] != 1.0 if c["aspect"] == "spec" else c["score"] < bar)]

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import numpy as np
 
-__all__ = ["pressure_config", "trace_arrays"]
+__all__ = ["pressure_config", "trace_arrays", "reference_pressure"]
 
 
 def pressure_config(engine_config, num_blocks: int):
@@ -46,3 +46,12 @@ def trace_arrays(trace, max_num_seqs: int, max_blocks_per_seq: int, num_blocks: 
         "freed_block_ids": _rows([s.freed_block_ids for s in steps], num_blocks),
         "evicted_block_ids": _rows([s.evicted_block_ids for s in steps], num_blocks),
     }
+
+
+def reference_pressure(ref) -> dict[str, int] | None:
+    """{num_preemptions, num_evictions} of a reference's pressure run (None for a task without one): the
+    report shows them, so a reader sees that the graded schedule really preempted and evicted."""
+    check = getattr(ref, "checks", {}).get("L5/schedule_trace")
+    if check is None:
+        return None
+    return {k: int(check.outputs[k]) for k in ("num_preemptions", "num_evictions")}

@@ -164,6 +164,39 @@ def test_prefill_free_puts_unhashed_blocks_at_the_head(s):
     assert _ids(kv.allocate_slots(req2, 6, hits)) == [5]  # the partial block is reused first
 
 
+def test_prefill_plp(s):
+    # vLLM test_prefill_plp: a request asking for prompt logprobs never reads the prefix cache, but its full blocks
+    # are cached for others; a later plp request duplicates them under the same hashes.
+    kv = s.KVCacheManager(block_size=16, num_blocks=11, enable_caching=True)
+    pool = kv.block_pool
+
+    def plp_request(rid, tokens):
+        return s.Request(rid, list(tokens), s.SamplingParams(max_tokens=17, prompt_logprobs=5), eos_token_id=100)
+
+    req0 = plp_request("0", COMMON + [3] * 7)
+    assert kv.get_computed_blocks(req0) == ([], 0)
+    blocks = kv.allocate_slots(req0, 55)
+    assert _ids(blocks) == [1, 2, 3, 4] and len(req0.block_hashes) == 3  # hashed on allocation (vLLM: at creation)
+    req0_hashes = [b.block_hash for b in blocks]
+    for block_id, expected in zip((1, 2, 3), _chain(s, COMMON, 16)):
+        assert pool.blocks[block_id].block_hash == expected and pool.blocks[block_id].ref_cnt == 1
+    assert pool.blocks[4].block_hash is None and pool.blocks[4].ref_cnt == 1
+    req1 = _mreq(s, "1", COMMON + [3] * 5)  # no prompt logprobs: hits req0's blocks while they are held
+    hits, num_hit = kv.get_computed_blocks(req1)
+    assert _ids(hits) == [1, 2, 3] and num_hit == 48
+    assert _ids(kv.allocate_slots(req1, 5, hits)) == [5]
+    assert all(b.ref_cnt == 2 for b in hits) and kv.num_free_blocks == 5
+    kv.free(req0)
+    kv.free(req1)
+    assert kv.num_free_blocks == 10 and list(pool.free_list) == [6, 7, 8, 9, 10, 4, 5, 3, 2, 1]
+    req2 = plp_request("2", COMMON + [3] * 6)  # prompt logprobs again: no hit, the common blocks duplicated
+    assert kv.get_computed_blocks(req2) == ([], 0)
+    blocks = kv.allocate_slots(req2, 54)
+    assert [b.block_hash for b in blocks][:3] == req0_hashes[:3] and _ids(blocks) != [1, 2, 3, 4]
+    assert all(pool.blocks[b].ref_cnt == 1 for b in _ids(blocks))
+    kv.free(req2)
+
+
 def test_decode(s):
     # vLLM test_decode: decode tokens fill the last block before a new one is taken; full blocks get hashed.
     kv = s.KVCacheManager(block_size=16, num_blocks=11, enable_caching=True)

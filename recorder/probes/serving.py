@@ -47,8 +47,9 @@ class Ctx:
 
 def workload(cfg, vocab: int, name: str = "workload"):
     """Prompts of the mode's workload. With shared_prefix, most prompts start with the same tokens. The
-    second and the last prompt hold the same two full blocks mid-prompt, each after its own block-aligned
-    prefix: equal blocks after different prefixes must never share KV (the block hash chains the prefix)."""
+    second prompt holds two full blocks after a block of its own; the last prompt starts with them. Equal
+    blocks after different prefixes must never share KV: the prefix-cache lookup walks from the first block,
+    so only a chain that leaves out the prefix would let the last prompt hit the second's blocks."""
     w, r = cfg.mode.workload, rng_for(f"{cfg.task_name}/{name}")
     lo, hi = w.prompt_len
     bs = cfg.mode.engine.block_size
@@ -57,8 +58,10 @@ def workload(cfg, vocab: int, name: str = "workload"):
     prompts = []
     for i in range(w.num_requests):
         body = list(r.integers(3, vocab, int(r.integers(lo, hi + 1))))
-        if i in (1, w.num_requests - 1):
-            body = list(r.integers(3, vocab, bs * (1 + (i > 1)))) + middle + body[:bs]
+        if i == 1:
+            body = list(r.integers(3, vocab, bs)) + middle + body[:bs]
+        elif i == w.num_requests - 1:
+            body = middle + body[:bs]
         elif prefix and i % 4 != 3:
             body = prefix + body
         prompts.append([int(x) for x in body])
