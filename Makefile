@@ -9,7 +9,7 @@ TASK   ?= llama3-sft
 JOBS   ?= 2
 PYTEST := $(PY) -m pytest -q -p no:randomly
 
-.PHONY: venv verifier sandbox record record-all grade grade-all sweep test test-full bench assets stale clean-venv
+.PHONY: venv verifier sandbox record record-all grade grade-all coverage-torch sweep test test-full bench assets stale clean-venv
 
 venv: $(STAMP)
 
@@ -43,10 +43,16 @@ record-all: venv      ## every task, one Hydra multirun in parallel (joblib laun
 grade: venv sandbox   ## make grade TASK=llama3-sft [CANDIDATE=path] [TRUSTED=true: no sandbox, oracles only]
 	$(PY) -m grader task=$(TASK) $(if $(CANDIDATE),candidate=$(CANDIDATE),) $(if $(TRUSTED),trusted=$(TRUSTED),)
 
-grade-all: venv sandbox   ## every recorded task graded, one report in reports/all (md, html, png) [CANDIDATE=path]
+grade-all: venv sandbox   ## every recorded task graded, one report in reports/all (md, html, png) [CANDIDATE=path]; coverage of the graded code in reports/coverage
 	$(PY) -m grader.grade_all $(if $(CANDIDATE),candidate=$(CANDIDATE),)
+	$(PY) -m grader.coverage
 
-sweep: venv sandbox   ## seeded-defect sweep of every recorded task (hours on 2 cores); last line defects_caught=N/M checks_tripped=K/L
+coverage-torch: venv   ## branch coverage of torch_sources/ while recording every task (references untouched)
+	for t in $$($(PY) -c "from recorder.app import known_tasks; print(' '.join(known_tasks()))"); do \
+	  $(PY) -m recorder task=$$t coverage=true out_dir=$$(mktemp -d) || exit 1; done
+	$(PY) -m grader.coverage
+
+sweep: venv sandbox   ## seeded-defect sweep of every recorded task (hours on 2 cores); last line defects_caught=N/M strict_caught=S/M checks_tripped=K/L
 	$(PY) -m grader.sweep --all --jobs $(JOBS)
 
 stale: venv

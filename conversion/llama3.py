@@ -14,10 +14,10 @@ import numpy as np
 from flax import traverse_util
 
 from conversion import safetensors_io as st_io
-from conversion.rules import apply_rules
+from conversion.rules import apply_rules, invert_rules
 from jax_oracles.models.llama3 import LlamaConfig, LlamaForCausalLM
 
-__all__ = ["RULES", "load_config", "convert_state_dict", "load_params"]
+__all__ = ["RULES", "load_config", "convert_state_dict", "load_params", "hf_layout"]
 
 
 def _keep(w: np.ndarray) -> np.ndarray:
@@ -65,3 +65,12 @@ def convert_state_dict(state: dict[str, np.ndarray], config: LlamaConfig) -> dic
 def load_params(path) -> dict:
     """Linen `params` tree for jax_oracles.models.llama3.LlamaForCausalLM from an HF checkpoint dir."""
     return convert_state_dict(st_io.load_state_dict(path), load_config(path))
+
+
+def hf_layout(params) -> dict[str, tuple[int, ...]]:
+    """{HF tensor name: HF shape} each leaf of a converted `params` tree came from: RULES run backwards.
+
+    Kernels report the checkpoint's [out, in]; a tied head reports nothing (the release stores only
+    the embedding, which the LlamaForCausalLM head reuses). Reads no checkpoint file.
+    """
+    return invert_rules(params, RULES)

@@ -1,6 +1,8 @@
-"""The one engine behind every family's declarative table: apply (pattern, target, fn) rows, checked both ways."""
+"""The one engine behind every family's declarative table: apply (pattern, target, fn) rows, checked both ways,
+and run them backwards to say which HF tensor, in which HF shape, each param came from."""
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable, Sequence
 
@@ -38,3 +40,52 @@ def apply_rules(state: dict[str, np.ndarray], rules: Sequence[Rule], expected: d
     if bad:
         raise ValueError(f"shape mismatch (got, expected): {bad}")
     return traverse_util.unflatten_dict({p: jnp.asarray(w) for p, w in flat.items()}, sep="/")
+
+
+def _hf_template(pattern: str) -> str:
+    # r"model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj)\.weight" -> "model.layers.{0}.mlp.{1}.weight"
+    index = itertools.count()
+    return re.sub(r"\\(.)", r"\1", re.sub(r"\([^()]*\)", lambda m: f"{{{next(index)}}}", pattern))
+
+
+def _target_regex(target: str) -> str:
+    # "model/layers_{0}/mlp/{1}/kernel" -> r"model/layers_(?P<g0>[^/]+)/mlp/(?P<g1>[^/]+)/kernel"
+    parts = re.split(r"\{(\d+)\}", target)
+    return "".join(re.escape(p) if i % 2 == 0 else f"(?P<g{p}>[^/]+)" for i, p in enumerate(parts))
+
+
+def _source_name(path: str, rules: Sequence[Rule]) -> tuple[str, Callable]:
+    """The HF tensor apply_rules writes to `path` (the first rule matching it wins, as in the load)."""
+    found = []
+    for rule in rules:
+        pattern, target, fn = rule
+        m = re.fullmatch(_target_regex(target), path)
+        if m is None:
+            continue
+        groups = m.groupdict()
+        name = _hf_template(pattern).format(*(groups[f"g{i}"] for i in range(len(groups))))
+        if next((r for r in rules if re.fullmatch(r[0], name)), None) is rule:
+            found.append((name, fn))
+    if len(found) != 1:
+        raise ValueError(f"param {path}: written by {len(found)} rules ({[n for n, _ in found]}), expected exactly 1")
+    return found[0]
+
+
+def invert_rules(params, rules: Sequence[Rule]) -> dict[str, tuple[int, ...]]:
+    """Nested Linen params -> {HF tensor name: HF shape}: apply_rules run backwards on names and shapes.
+
+    Shapes come from the leaves themselves (arrays or jax.ShapeDtypeStruct), so a leaf stored in
+    another layout than its rule's transform writes reports a wrong HF shape. The transforms are
+    layout permutations (keep, transpose), each its own inverse on shapes; anything else raises.
+    """
+    layout = {}
+    for path, leaf in traverse_util.flatten_dict(params, sep="/").items():
+        name, fn = _source_name(path, rules)
+        if name in layout:
+            raise ValueError(f"{name}: the source of two params")
+        shape = tuple(leaf.shape)
+        hf_shape = np.shape(fn(np.broadcast_to(np.float32(0), shape)))  # a view: nothing is allocated
+        if np.shape(fn(np.broadcast_to(np.float32(0), hf_shape))) != shape:
+            raise ValueError(f"{name}: the transform of param {path} is not its own inverse on shapes")
+        layout[name] = tuple(int(d) for d in hf_shape)
+    return layout

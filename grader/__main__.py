@@ -24,7 +24,7 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     try:
         report = grade(cfg, candidate, ROOT / cfg.references, ROOT / cfg.report_dir,
-                       pass_bar=cfg.pass_bar, budget_factor=cfg.budget.factor, budget_min_s=cfg.budget.min_s,
+                       budget_factor=cfg.budget.factor, budget_min_s=cfg.budget.min_s,
                        spec_timeout=cfg.timeouts.spec, numeric_timeout=cfg.timeouts.numeric,
                        check_timeout_s=cfg.timeouts.check, trusted=bool(cfg.trusted))
     except ReferenceError as e:
@@ -33,6 +33,9 @@ def main(cfg: DictConfig) -> None:
     except SandboxUnavailable as e:
         print(f"refusing to grade {cfg.task_name}: no sandbox can be made here: {e}", file=sys.stderr)
         sys.exit(2)
+    print(f"strict_level=L{report['earned_levels']} mean_digits={report['mean_digits']:.2f}"
+          if report["earned_levels"] >= 0 and report["mean_digits"] is not None
+          else f"strict_level=none mean_digits={report['mean_digits']}")
     print(f"reward={report['reward']:.4f}")
 
 

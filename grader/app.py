@@ -13,11 +13,13 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from grader import gate, sandbox
+from grader import gate, heldout, sandbox
 from grader.checks import checks_for
-from grader.exchange import UntrustedOutput, read_outputs
+from grader.coverage import merge as merge_coverage
+from grader.exchange import UntrustedOutput, read_coverage, read_outputs
 from grader.h5schema import Reference, read_reference, write_arrays
-from grader.lattice import Check, earned_levels
+from grader.lattice import Check, earned_levels, strict_bar
+from grader.measures import error_figures
 from grader.measures import score as measure_score
 from grader.reward import reward as compute_reward
 from grader.trace import reference_pressure
@@ -25,10 +27,10 @@ from grader.trace import reference_pressure
 ROOT = Path(__file__).resolve().parents[1]
 console = Console(width=150)
 # One sandboxed child per group of levels: a crash or a hang costs that group, never the grader.
-# Training L6 scores the adapter the L5 run trained, so they share a child; serving L6 inputs hold
-# the greedy continuations, so they never share a child with the L5 check that must produce them.
+# L6 never shares a child with L5: training L6 runs the candidate's forward with the adapter its L5
+# child produced (grader/heldout.py), serving L6 inputs hold the greedy continuations L5 must produce.
 LEVEL_GROUPS = {
-    "training": (("L0",), ("L1",), ("L2",), ("L3",), ("L4",), ("L5", "L6")),
+    "training": (("L0",), ("L1",), ("L2",), ("L3",), ("L4",), ("L5",), ("L6",)),
     "serving": (("L0",), ("L1",), ("L2",), ("L3",), ("L4",), ("L5",), ("L6",)),
 }
 
@@ -50,7 +52,8 @@ def _task_meta(cfg) -> dict:
 
 
 def _score_check(spec, rec, produced: dict | None, error: str | None, band, seconds: float) -> Check:
-    kw = dict(level=spec.level, name=spec.name, aspect=spec.aspect, measure=spec.measure, seconds=seconds)
+    kw = dict(level=spec.level, name=spec.name, aspect=spec.aspect, measure=spec.measure, seconds=seconds,
+              bar=strict_bar(spec.aspect, rec.attrs.get("noise")))
     if error is not None:
         return Check(**kw, score=0.0, reason=error)
     if produced is None:
@@ -71,14 +74,33 @@ def _score_check(spec, rec, produced: dict | None, error: str | None, band, seco
         else:
             scores.append(measure_score(spec.measure, out, ref))
     s = float(np.mean(scores))
-    return Check(**kw, score=s if math.isfinite(s) else 0.0, reason=None if math.isfinite(s) else "NaN score")
+    figures = None if spec.measure == "banded" else error_figures((produced[k], ref) for k, ref in rec.outputs.items())
+    return Check(**kw, **(figures or {}), score=s if math.isfinite(s) else 0.0,
+                 reason=None if math.isfinite(s) else "NaN score")
 
 
-def grade(cfg, candidate: Path, references: Path, report_dir: Path, pass_bar: float = 0.99,
-          budget_factor: float = 5.0, budget_min_s: float = 120.0, spec_timeout: float = 120.0,
-          numeric_timeout: float = 300.0, quiet: bool = False, levels: tuple[str, ...] | None = None,
-          check_timeout_s: float | None = None, only_checks: tuple[str, ...] | None = None, trusted: bool = False,
-          compile_cache: Path | None = None) -> dict:
+def _score_heldout(spec, rec, produced: dict | None, error: str | None, band, seconds: float) -> tuple[Check, dict]:
+    """Training L6: the banded score of the grader's own eval_loss on the candidate's logits (never a
+    number the candidate reports); -> (check, what the report shows of it)."""
+    kw = dict(level=spec.level, name=spec.name, aspect=spec.aspect, measure=spec.measure, seconds=seconds,
+              bar=strict_bar(spec.aspect, rec.attrs.get("noise")))
+    if error is not None or produced is None:
+        return Check(**kw, score=0.0, reason=error or "no output"), {}
+    try:
+        loss, shapes = heldout.heldout_loss(rec.inputs, produced)
+    except heldout.HeldoutError as e:
+        return Check(**kw, score=0.0, reason=str(e)), {}
+    lo, hi = float(band[0]), float(band[1])
+    detail = {"grader_loss": loss, "reference_loss": float(rec.outputs["loss"]), "band": [lo, hi],
+              "logits_shapes": [list(x) for x in shapes]}
+    return Check(**kw, score=measure_score("banded", loss, (lo, hi))), detail
+
+
+def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget_factor: float = 5.0,
+          budget_min_s: float = 120.0, spec_timeout: float = 120.0, numeric_timeout: float = 300.0,
+          quiet: bool = False, levels: tuple[str, ...] | None = None, check_timeout_s: float | None = None,
+          only_checks: tuple[str, ...] | None = None, trusted: bool = False, compile_cache: Path | None = None,
+          coverage: bool = False) -> dict:
     """Grade `candidate` on the task whose composed config is `cfg` (recorder or grader config).
 
     `levels` restricts the run to some levels (L0's torch_free gate always runs); the reward then
@@ -89,6 +111,8 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, pass_bar: fl
     Every child runs sealed (grader/sandbox.py); where no sandbox can be made this raises
     SandboxUnavailable before anything runs, unless `trusted` (the oracles on such a machine: the
     Python-level fence alone). `compile_cache` is the sweep's shared JAX cache (trusted mutants only).
+    `coverage`: every child runs under branch coverage of the candidate's packages; the report's "coverage"
+    holds the executed lines and arcs over all children (grader/coverage.py reads it).
     """
     if not trusted:
         sandbox.ensure_sandbox()  # refuse up front, never fall back silently
@@ -111,29 +135,61 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, pass_bar: fl
         why = "independence gate: " + "; ".join(offences or [lint_text.strip().splitlines()[-1] if lint_text
                                                               else "import-linter failed"])
         results = [Check(s.level, s.name, s.aspect, s.measure, 0.0, why) for s in all_specs]
-        return _finish(task, candidate, results, ref, pass_bar, report_dir, stale, quiet, series, gated=why,
+        return _finish(task, candidate, results, ref, report_dir, stale, quiet, series, gated=why,
                        trusted=trusted)
     results.append(Check("L0", "torch_free", "spec", "pass", 1.0, None))
 
     budget = max(budget_min_s, budget_factor * float(ref.attrs["wall_clock_s"]))
+    selected = [s for s in all_specs if s.key in ref.checks and (levels is None or s.level in levels)
+                and (only_checks is None or s.name in only_checks)]
+    # training L6 runs on the adapter the candidate's L5 child produced: that check runs whenever L6 does
+    # (scored only when selected), and its outputs become L6 inputs, read as untrusted as any output
+    wants_adapter = any(s.key == heldout.HELDOUT_KEY for s in selected) and heldout.ADAPTER_KEY in ref.checks
+    adapter, adapter_error = None, f"{heldout.ADAPTER_KEY} did not run"
+    details = {}
+    executed = {} if coverage else None
     for group in LEVEL_GROUPS[task_class(cfg)]:
-        specs = [s for s in all_specs if s.level in group and s.key in ref.checks
-                 and (levels is None or s.level in levels) and (only_checks is None or s.name in only_checks)]
-        if not specs:
+        specs = [s for s in selected if s.level in group]
+        run = specs + [s for s in all_specs if wants_adapter and s.key == heldout.ADAPTER_KEY
+                       and s.level in group and s not in specs]
+        inputs = {s.key: ref.checks[s.key].inputs for s in run}
+        early = {}  # check key -> reason it scores 0 without running
+        if heldout.HELDOUT_KEY in inputs:
+            try:
+                if adapter is None:
+                    raise heldout.HeldoutError(f"no adapter from {heldout.ADAPTER_KEY}: {adapter_error}")
+                inputs[heldout.HELDOUT_KEY] = heldout.child_inputs(
+                    ref.checks[heldout.HELDOUT_KEY].inputs,
+                    heldout.adapter_inputs(ref.checks[heldout.ADAPTER_KEY].outputs, adapter))
+            except heldout.HeldoutError as e:
+                early[heldout.HELDOUT_KEY] = str(e)
+                run = [s for s in run if s.key != heldout.HELDOUT_KEY]
+        if not run and not early:
             continue
         if group == ("L0",):
             timeout = spec_timeout
         elif group[0] in ("L5", "L6"):
             timeout = budget + 60
         else:  # the per-check limit fires first for Python-level hangs; this backstop catches C-level ones
-            timeout = max(numeric_timeout, (check_timeout_s or 0) * len(specs) + 60)
-        produced, errors, seconds = _run_group(candidate, cfg, ref, references, specs, group, budget, timeout,
-                                               check_timeout_s, trusted, compile_cache)
+            timeout = max(numeric_timeout, (check_timeout_s or 0) * len(run) + 60)
+        produced, errors, seconds = {}, {}, {}
+        if run:
+            produced, errors, seconds = _run_group(candidate, cfg, references, run, inputs, budget, timeout,
+                                                   check_timeout_s, trusted, compile_cache, executed)
+        errors = {**early, **errors}
+        if any(s.key == heldout.ADAPTER_KEY for s in run):
+            adapter, adapter_error = produced.get(heldout.ADAPTER_KEY), errors.get(heldout.ADAPTER_KEY, "no output")
         for s in specs:
-            series.update(_series(s.key, ref.checks[s.key].outputs, produced.get(s.key) or {}))
-            results.append(_score_check(s, ref.checks[s.key], produced.get(s.key), errors.get(s.key), ref.band,
-                                        float(seconds.get(s.key, 0.0))))
-    return _finish(task, candidate, results, ref, pass_bar, report_dir, stale, quiet, series, trusted=trusted)
+            args = (s, ref.checks[s.key], produced.get(s.key), errors.get(s.key), ref.band,
+                    float(seconds.get(s.key, 0.0)))
+            if s.key == heldout.HELDOUT_KEY:
+                check, details[s.key] = _score_heldout(*args)
+            else:
+                series.update(_series(s.key, ref.checks[s.key].outputs, produced.get(s.key) or {}))
+                check = _score_check(*args)
+            results.append(check)
+    return _finish(task, candidate, results, ref, report_dir, stale, quiet, series, trusted=trusted,
+                   details=details, executed=executed)
 
 
 def _series(key, reference: dict, produced: dict) -> dict:
@@ -146,8 +202,10 @@ def _series(key, reference: dict, produced: dict) -> dict:
     return out
 
 
-def _run_group(candidate, cfg, ref, ref_dir, specs, group, budget, timeout, check_timeout_s=None, trusted=False,
-               compile_cache=None):
+def _run_group(candidate, cfg, ref_dir, specs, inputs, budget, timeout, check_timeout_s=None, trusted=False,
+               compile_cache=None, executed: dict | None = None):
+    """One sealed child on `inputs` (check key -> {name: array}); -> (outputs, errors, seconds) per check.
+    With `executed` (a dict), the child runs under coverage and its executed lines are merged into it."""
     with tempfile.TemporaryDirectory(prefix="t2j-grade-") as tmp:
         tmp = Path(tmp)
         inputs_dir, out_dir = tmp / "inputs", tmp / "out"
@@ -160,8 +218,9 @@ def _run_group(candidate, cfg, ref, ref_dir, specs, group, budget, timeout, chec
                 "time_budget_s": budget}
         if check_timeout_s is not None:
             meta["check_timeout_s"] = float(check_timeout_s)
-        write_arrays(inputs_dir / "inputs.h5", {s.key: ref.checks[s.key].inputs for s in specs},
-                     attrs={"meta": meta})
+        if executed is not None:
+            meta["coverage"] = True
+        write_arrays(inputs_dir / "inputs.h5", inputs, attrs={"meta": meta})
         started = time.perf_counter()
         res = gate.run_sandboxed(candidate, f"grader.probes.{cfg_class(cfg)}:main", inputs_dir, out_dir, timeout,
                                  deny_read=(ref_dir,), trusted=trusted, compile_cache=compile_cache)
@@ -170,7 +229,10 @@ def _run_group(candidate, cfg, ref, ref_dir, specs, group, budget, timeout, chec
             reason = res.reason or "no outputs written"
             return {}, {s.key: reason for s in specs}, {s.key: elapsed for s in specs}
         try:  # everything the child returns is untrusted data
-            return read_outputs(res.outputs, [s.key for s in specs])
+            outputs = read_outputs(res.outputs, [s.key for s in specs])
+            if executed is not None:
+                merge_coverage(executed, read_coverage(res.outputs))
+            return outputs
         except UntrustedOutput as e:
             return {}, {s.key: f"untrusted output: {e}" for s in specs}, {s.key: elapsed for s in specs}
 
@@ -179,15 +241,21 @@ def cfg_class(cfg) -> str:
     return cfg.method.task_class if "method" in cfg else cfg.mode.task_class
 
 
-def _finish(task, candidate, results, ref, pass_bar, report_dir, stale, quiet, series, gated=None,
-            trusted=False) -> dict:
+def _finish(task, candidate, results, ref, report_dir, stale, quiet, series, gated=None,
+            trusted=False, details=None, executed=None) -> dict:
     r = 0.0 if gated else compute_reward(results)
-    levels = earned_levels(results, pass_bar=pass_bar)
+    levels = -1 if gated else earned_levels(results)
+    digits = [c.digits for c in results if c.digits is not None]
     report = {"task": task, "candidate": str(candidate), "reward": r, "earned_levels": levels,
-              "gated": gated, "stale_reference": stale, "pass_bar": pass_bar,
+              "mean_digits": float(np.mean(digits)) if digits else None,
+              "gated": gated, "stale_reference": stale,
               "isolation": "trusted: Python-level fence only" if trusted else "bubblewrap sandbox",
               "reference_pressure": reference_pressure(ref),
-              "checks": [asdict(c) for c in results], "series": series}
+              "checks": [asdict(c) for c in results], "series": series,
+              "details": details or {}}  # per check, what the grader computed itself (training L6: the loss)
+    if executed is not None:
+        report["coverage"] = {rel: {"lines": sorted(e["lines"]), "arcs": sorted(e["arcs"])}
+                              for rel, e in sorted(executed.items())}
     report_dir.mkdir(parents=True, exist_ok=True)
     (report_dir / f"{task}.json").write_text(json.dumps(report, indent=2, default=float))
     if not quiet:
@@ -196,15 +264,25 @@ def _finish(task, candidate, results, ref, pass_bar, report_dir, stale, quiet, s
             p = report["reference_pressure"]
             console.print(f"pressure run of the reference: {p['num_preemptions']} preemptions, "
                           f"{p['num_evictions']} evictions")
+        for key, d in report["details"].items():
+            if d:
+                console.print(f"{key}: grader-computed eval loss {d['grader_loss']:.6f}, band [{d['band'][0]:.6f}, "
+                              f"{d['band'][1]:.6f}], torch seed run {d['reference_loss']:.6f}; logits "
+                              f"{len(d['logits_shapes'])} batches, first {d['logits_shapes'][0]}")
     return report
 
 
+def _fig(x: float | None, fmt: str) -> str:
+    return "" if x is None else format(x, fmt)
+
+
 def _print_table(task, results, r, levels):
-    t = Table(title=f"{task}: earned up to {levels}")
-    for col in ("level", "check", "aspect", "measure", "score", "seconds", "reason"):
+    t = Table(title=f"{task}: strict lattice L{levels}" if levels >= 0 else f"{task}: no level earned")
+    for col in ("level", "check", "measure", "score", "bar", "max|diff|", "rel L2", "digits", "s", "reason"):
         t.add_column(col)
     for c in results:
-        colour = "green" if c.score >= 0.999 else "yellow" if c.score >= 0.99 else "red"
-        t.add_row(c.level, c.name, c.aspect, c.measure, f"[{colour}]{c.score:.6f}[/]", f"{c.seconds:.1f}",
+        colour = "green" if c.passed else "red"
+        t.add_row(c.level, c.name, c.measure, f"[{colour}]{c.score:.6f}[/]", f"{c.bar:.4f}",
+                  _fig(c.max_abs_diff, ".2e"), _fig(c.rel_l2, ".2e"), _fig(c.digits, ".1f"), f"{c.seconds:.1f}",
                   c.reason or "")
     console.print(t)

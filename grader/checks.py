@@ -29,7 +29,8 @@ def _c(level, name, aspect, measure, what):
 TRAINING_SPEC = (
     _c("L0", "torch_free", "spec", "pass", "no torch/transformers/torch_sources import, direct or indirect"),
     _c("L0", "layout", "spec", "pass", "every mirrored module exists and exposes the torch twin's public names"),
-    _c("L0", "param_tree", "spec", "pass", "converted checkpoint: every tensor used, same element counts and shapes"),
+    _c("L0", "param_tree", "spec", "pass",
+       "conversion.<family>.hf_layout of the converted tree: every checkpoint tensor's HF name and HF shape"),
     _c("L0", "lora_trainable", "spec", "pass", "LoRA trainable set: same PEFT names and shapes, base frozen"),
 )
 
@@ -53,14 +54,18 @@ TRAINING_CHECKS = (
     _c("L4", "fixed_steps_params", "behavioral", "tensor", "LoRA params after k optimizer steps"),
     _c("L5", "e2e_step_losses", "behavioral", "scalar", "per-step training losses of the candidate's own entry point"),
     _c("L5", "e2e_adapter", "behavioral", "tensor", "trained adapter after the end-to-end run"),
-    _c("L6", "heldout_loss", "behavioral", "banded", "held-out loss of the trained adapter, banded by seed spread"),
+    _c("L5", "e2e_eval_loss", "behavioral", "scalar",
+       "the candidate's own eval_loss before and after training (its Trainer.evaluate), not the L6 score"),
+    _c("L6", "heldout_loss", "behavioral", "banded",
+       "held-out eval loss the grader computes from the candidate's logits with its L5 adapter, banded by seed spread"),
 )
 
 SERVING_SPEC = (
     _c("L0", "torch_free", "spec", "pass", "no torch/transformers/torch_sources import, direct or indirect"),
     _c("L0", "layout", "spec", "pass", "every mirrored serving module exposes the torch twin's public names"),
     _c("L0", "engine_api", "spec", "pass", "LLMEngine and ModelRunner expose the engine API"),
-    _c("L0", "param_tree", "spec", "pass", "converted checkpoint: same element counts"),
+    _c("L0", "param_tree", "spec", "pass",
+       "conversion.<family>.hf_layout of the converted tree: every checkpoint tensor's HF name and HF shape"),
 )
 
 SERVING_CHECKS = (

@@ -23,13 +23,16 @@ import zlib
 
 import numpy as np
 
-__all__ = ["MAX_BYTES", "UntrustedOutput", "read_outputs", "write_outputs"]
+__all__ = ["MAX_BYTES", "UntrustedOutput", "read_coverage", "read_outputs", "write_outputs"]
 
 MAX_BYTES = 1 << 30       # the whole file, and all arrays together, uncompressed
 MAX_MEMBERS = 100_000
 MAX_META_BYTES = 16 << 20
 MAX_REASON_CHARS = 2000
 META = "meta.json"
+COVERAGE = "coverage.json"  # only when the grader asked for it: executed lines and arcs per candidate file
+MAX_COVERAGE_BYTES = 64 << 20
+_SOURCE = re.compile(r"(jax_oracles|serving_engine|conversion)(/[A-Za-z0-9_]{1,100}){1,6}\.py")
 _KEY = re.compile(r"L[0-6]/[A-Za-z0-9_.-]{1,200}")
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 _KINDS = frozenset("biufcUS")
@@ -40,8 +43,9 @@ class UntrustedOutput(ValueError):
 
 
 def write_outputs(path, groups: dict[str, dict[str, np.ndarray]], errors: dict[str, str],
-                  seconds: dict[str, float]) -> None:
-    """Child side: groups (check key -> {name: array}), per-check error reasons and seconds."""
+                  seconds: dict[str, float], coverage: dict | None = None) -> None:
+    """Child side: groups (check key -> {name: array}), per-check error reasons and seconds; coverage
+    ({relative source path: {"lines": [...], "arcs": [[a, b], ...]}}) when the grader asked for it."""
     tmp = f"{path}.partial"
     with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as z:
         for key, arrays in groups.items():
@@ -56,6 +60,8 @@ def write_outputs(path, groups: dict[str, dict[str, np.ndarray]], errors: dict[s
                 z.writestr(f"{key}/{name}.npy", buf.getvalue())
         z.writestr(META, json.dumps({"checks": sorted(groups), "errors": errors,
                                      "seconds": {k: float(v) for k, v in seconds.items()}}))
+        if coverage is not None:
+            z.writestr(COVERAGE, json.dumps(coverage))
     os.replace(tmp, path)
 
 
@@ -158,6 +164,8 @@ def read_outputs(path, expected_keys) -> tuple[dict[str, dict[str, np.ndarray]],
                     raise UntrustedOutput(f"{META} is over {MAX_META_BYTES} bytes")
                 meta = z.read(info)
                 continue
+            if info.filename == COVERAGE:  # read on its own by read_coverage
+                continue
             key, _, leaf = info.filename.rpartition("/")
             name = leaf[:-4] if leaf.endswith(".npy") else ""
             if not _KEY.fullmatch(key) or not _NAME.fullmatch(name):
@@ -173,3 +181,39 @@ def read_outputs(path, expected_keys) -> tuple[dict[str, dict[str, np.ndarray]],
     if set(groups) != set(checks):
         raise UntrustedOutput(f"{META} lists other checks than the arrays hold")
     return groups, errors, seconds
+
+
+def read_coverage(path) -> dict[str, dict[str, list]]:
+    """Grader side: the child's coverage member ({} when it wrote none), validated as untrusted data:
+    paths of candidate sources only, lines as ints, arcs as int pairs."""
+    data = _read_file(path)
+    try:
+        z = zipfile.ZipFile(io.BytesIO(data))
+        info = next((i for i in z.infolist() if i.filename == COVERAGE), None)
+        if info is None:
+            return {}
+        if info.file_size > MAX_COVERAGE_BYTES:
+            raise UntrustedOutput(f"{COVERAGE} is over {MAX_COVERAGE_BYTES} bytes")
+        raw = json.loads(z.read(info).decode("utf-8"))
+    except (zipfile.BadZipFile, EOFError, OSError, zlib.error, UnicodeDecodeError, ValueError) as e:
+        raise UntrustedOutput(f"{COVERAGE} is unreadable ({e})") from None
+
+    def ints(xs, arity):
+        ok = isinstance(xs, list) and all(
+            (isinstance(x, int) and not isinstance(x, bool)) if arity == 1 else
+            (isinstance(x, list) and len(x) == 2 and all(isinstance(y, int) and not isinstance(y, bool) for y in x))
+            for x in xs)
+        if not ok:
+            raise UntrustedOutput(f"{COVERAGE}: malformed line or arc list")
+        return xs
+
+    if not isinstance(raw, dict):
+        raise UntrustedOutput(f"{COVERAGE} is not an object")
+    out = {}
+    for rel, entry in raw.items():
+        if not isinstance(rel, str) or not _SOURCE.fullmatch(rel) or ".." in rel:
+            raise UntrustedOutput(f"{COVERAGE}: unexpected source path {str(rel)[:200]!r}")
+        if not isinstance(entry, dict) or set(entry) != {"lines", "arcs"}:
+            raise UntrustedOutput(f"{COVERAGE}: {rel}: expected lines and arcs")
+        out[rel] = {"lines": ints(entry["lines"], 1), "arcs": ints(entry["arcs"], 2)}
+    return out

@@ -1,12 +1,14 @@
 """Grade every recorded task and write one summary: `make grade-all`.
 
-    python -m grader.grade_all [candidate=PATH] [out=reports/all] [tasks=llama3-sft,gemma4-core]
+    python -m grader.grade_all [candidate=PATH] [out=reports/all] [tasks=llama3-sft,gemma4-core] [coverage=false]
 
 candidate  a tree that mirrors the layout (jax_oracles/, serving_engine/, conversion/); default: this
            repo's own oracles
 out        where <task>.json and the summary (summary.md, summary.html, summary.json, PNGs; see
            grader.report) go; default reports/all under the repo root
 tasks      comma-separated subset; default every task that has references/<task>.h5
+coverage   true (default): each child runs under branch coverage of the candidate's packages, kept in the
+           task reports for `python -m grader.coverage`; false skips it
 
 Tasks are graded one after another (each already runs its levels in sandboxed children and the
 tasks would compete for the same cores). A task whose grading raises becomes an error row and
@@ -32,7 +34,7 @@ from recorder.app import compose_task
 
 __all__ = ["grade_tasks", "main", "recorded_tasks"]
 
-KEYS = ("candidate", "out", "tasks")
+KEYS = ("candidate", "out", "tasks", "coverage")
 
 
 def recorded_tasks(references: Path = ROOT / "references") -> list[str]:
@@ -46,13 +48,14 @@ def _error_report(task: str, candidate: Path, exc: BaseException) -> dict:
 
 
 def grade_tasks(tasks: list[str], candidate: Path, out_dir: Path,
-                references: Path = ROOT / "references") -> list[dict]:
-    """Grade each task in turn into out_dir/<task>.json; one raising becomes an error row."""
+                references: Path = ROOT / "references", coverage: bool = False) -> list[dict]:
+    """Grade each task in turn into out_dir/<task>.json; one raising becomes an error row. With `coverage`
+    each report keeps the lines and branches its children executed (python -m grader.coverage reads them)."""
     reports = []
     for i, task in enumerate(tasks, 1):
         started = time.perf_counter()
         try:
-            report = grade(compose_task(task), candidate, references, out_dir, quiet=True)
+            report = grade(compose_task(task), candidate, references, out_dir, quiet=True, coverage=coverage)
         except Exception as exc:  # noqa: BLE001 -- one broken task must not cost the others
             report = _error_report(task, candidate, exc)
         report["wall_s"] = time.perf_counter() - started
@@ -70,7 +73,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help=f"keys: {', '.join(KEYS)}")
     ns = parser.parse_args(argv)
-    args = {"candidate": None, "out": None, "tasks": None}
+    args = {"candidate": None, "out": None, "tasks": None, "coverage": "true"}
     for item in ns.overrides:
         key, sep, value = item.partition("=")
         if not sep or key not in KEYS:
@@ -87,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     if not tasks:
         print(f"no references under {ROOT / 'references'}: run `make record-all` first", file=sys.stderr)
         return 2
-    reports = grade_tasks(tasks, candidate, out_dir)
+    coverage = str(args.coverage).lower() in ("true", "1", "yes")
+    reports = grade_tasks(tasks, candidate, out_dir, coverage=coverage)
     summary = write_report(reports, out_dir)
     print(markdown_table(summary["rows"]))
     print(f"report: {out_dir / 'summary.html'}", file=sys.stderr)

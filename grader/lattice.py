@@ -1,9 +1,11 @@
-"""Check results and the level lattice of DESIGN section 5: a task earns a prefix of levels.
+"""Check results and the strict level lattice of DESIGN section 5: a task earns a prefix of levels.
 
-A level passes when it has at least one check, every spec check in it scored exactly 1 and every
-numeric or behavioral check scored at least the pass bar. The earned level is the highest L such
-that every level <= L passes. A level with no results (not run, or not recorded) is not earned,
-so an interrupted grading run can never claim the levels it skipped.
+Each check has a strict bar: 1 for spec checks, 1 - max(1e-3, 10 x the check's measured noise) for
+the others (`strict_bar`). A check passes strictly at or above its bar. A level passes when it has at
+least one check and every check in it passes strictly; the earned level is the highest L such that
+every level <= L passes. A level with no results (not run, or not recorded) is not earned, so an
+interrupted grading run can never claim the levels it skipped. The continuous reward
+(grader/reward.py) is untouched by any bar.
 """
 from __future__ import annotations
 
@@ -11,11 +13,25 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
-__all__ = ["ASPECTS", "Check", "LEVELS", "PASS_BAR", "earned_levels", "level_passes", "summarise"]
+__all__ = ["ASPECTS", "Check", "LEVELS", "NOISE_FACTOR", "STRICT_FLOOR", "earned_levels", "level_passes",
+           "strict_bar", "summarise"]
 
 LEVELS = ("L0", "L1", "L2", "L3", "L4", "L5", "L6")
 ASPECTS = ("spec", "numeric", "behavioral")
-PASS_BAR = 0.99  # default bar for numeric/behavioral checks; spec checks need exactly 1
+# A faithful fp32 migration scores about 0.999 at worst (the paper's noise ceiling); a check whose score
+# moves from run to run gets a bar ten times its noise below 1.
+STRICT_FLOOR = 1e-3
+NOISE_FACTOR = 10.0
+
+
+def strict_bar(aspect: str, noise: float | None = None) -> float:
+    """1 for spec checks; 1 - max(STRICT_FLOOR, NOISE_FACTOR * noise) for numeric and behavioral ones."""
+    if aspect == "spec":
+        return 1.0
+    noise = float(noise or 0.0)
+    if not 0.0 <= noise < 0.1:  # NaN fails too: a noise that large would make the bar meaningless
+        raise ValueError(f"check noise {noise!r} not in [0, 0.1)")
+    return 1.0 - max(STRICT_FLOOR, NOISE_FACTOR * noise)
 
 
 @dataclass(frozen=True)
@@ -29,6 +45,11 @@ class Check:
     score: float               # in [0, 1]; a crash, torch import, NaN or timeout is 0 with a reason
     reason: str | None = None  # why the score is not 1 (None when nothing went wrong)
     seconds: float = 0.0       # wall-clock the check took
+    bar: float | None = None   # strict bar; None = strict_bar(aspect) (no measured noise)
+    # What a numerics person reads first (grader.measures.error_figures; None where they do not apply):
+    max_abs_diff: float | None = None
+    rel_l2: float | None = None
+    digits: float | None = None  # agreeing digits, the log relative error of NIST StRD
 
     def __post_init__(self):
         if self.level not in LEVELS:
@@ -43,6 +64,10 @@ class Check:
             # NaN fails this too: a measure never returns NaN, so one here is a grader bug
             raise ValueError(f"{self.name}: score {self.score!r} is not a number in [0, 1]")
         object.__setattr__(self, "score", score)
+        bar = strict_bar(self.aspect) if self.bar is None else float(self.bar)
+        if not 0.0 < bar <= 1.0 or (self.aspect == "spec" and bar != 1.0):
+            raise ValueError(f"{self.name}: strict bar {self.bar!r} not in (0, 1] (spec checks: exactly 1)")
+        object.__setattr__(self, "bar", bar)
 
     @classmethod
     def failed(cls, level: str, name: str, aspect: str, measure: str, reason: str,
@@ -54,23 +79,23 @@ class Check:
     def key(self) -> str:
         return f"{self.level}/{self.name}"
 
-    def passed(self, pass_bar: float = PASS_BAR) -> bool:
-        return self.score == 1.0 if self.aspect == "spec" else self.score >= pass_bar
+    @property
+    def passed(self) -> bool:
+        """Strict pass: the score reaches the check's bar."""
+        return self.score >= self.bar
 
 
-def level_passes(results: Iterable[Check], level: str, pass_bar: float = PASS_BAR) -> bool:
+def level_passes(results: Iterable[Check], level: str) -> bool:
     checks = [c for c in results if c.level == level]
-    return bool(checks) and all(c.passed(pass_bar) for c in checks)
+    return bool(checks) and all(c.passed for c in checks)
 
 
-def earned_levels(results: Iterable[Check], pass_bar: float = PASS_BAR) -> int:
-    """The highest level index L (0..6) such that every level <= L passes; -1 when L0 fails."""
-    if not (0.0 <= pass_bar <= 1.0) or math.isnan(pass_bar):
-        raise ValueError(f"pass_bar {pass_bar!r} not in [0, 1]")
+def earned_levels(results: Iterable[Check]) -> int:
+    """The highest level index L (0..6) such that every level <= L passes strictly; -1 when L0 fails."""
     results = list(results)
     earned = -1
     for i, level in enumerate(LEVELS):
-        if not level_passes(results, level, pass_bar):
+        if not level_passes(results, level):
             break
         earned = i
     return earned

@@ -21,8 +21,8 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["EPS", "MEASURES", "agreement_score", "banded_scalar_score", "distributional_score",
-           "scalar_score", "score", "tensor_score"]
+__all__ = ["DIGITS_CAP", "EPS", "MEASURES", "agreement_score", "banded_scalar_score", "distributional_score",
+           "error_figures", "scalar_score", "score", "tensor_score"]
 
 EPS = 1e-12
 _LN2 = math.log(2.0)
@@ -200,6 +200,42 @@ MEASURES: dict[str, Callable[..., float]] = {
 }
 
 _DISPATCH: dict[str, Callable[..., float]] = {**MEASURES, "banded": _banded}
+
+
+DIGITS_CAP = 15.0  # the most digits float64 arithmetic can certify (NIST StRD caps its LRE the same way)
+
+
+def error_figures(pairs) -> dict[str, float] | None:
+    """max |a - b|, ||a - b|| / ||b|| and agreeing digits over every (candidate, reference) pair of a check.
+
+    Digits are the log relative error of NIST's StRD: -log10(||a - b|| / ||b||) (-log10 ||a - b|| when the
+    reference is all zero), clipped to [0, DIGITS_CAP]; identical operands have DIGITS_CAP digits.
+    Entries where both sides hold the same infinity (-inf logits of a masked sampler row) count as equal;
+    any other non-finite entry or a shape mismatch gives inf error and 0 digits. None when no pair is
+    numeric (nothing to report).
+    """
+    diffs, refs = [], []
+    for a, b in pairs:
+        a, b = _f32(a), _f32(b)
+        if a is None or b is None:
+            continue
+        if a.shape != b.shape:
+            return {"max_abs_diff": math.inf, "rel_l2": math.inf, "digits": 0.0}
+        same = a == b  # equal infinities included
+        if not (np.isfinite(a) | same).all() or not (np.isfinite(b) | same).all():
+            return {"max_abs_diff": math.inf, "rel_l2": math.inf, "digits": 0.0}
+        with np.errstate(invalid="ignore"):  # inf - inf where both are equal: replaced by 0
+            diffs.append(np.where(same, 0.0, a - b).ravel())
+        refs.append(np.where(np.isfinite(b), b, 0.0).ravel())
+    if not diffs:
+        return None
+    d, r = np.concatenate(diffs), np.concatenate(refs)
+    if d.size == 0:
+        return {"max_abs_diff": 0.0, "rel_l2": 0.0, "digits": DIGITS_CAP}
+    err, norm = float(np.linalg.norm(d)), float(np.linalg.norm(r))
+    rel = err / norm if norm > 0 else err
+    digits = DIGITS_CAP if rel == 0 else float(np.clip(-math.log10(rel), 0.0, DIGITS_CAP))
+    return {"max_abs_diff": float(np.abs(d).max()), "rel_l2": rel, "digits": digits}
 
 
 def score(measure: str, candidate, reference, **kw) -> float:

@@ -33,7 +33,9 @@ from grader.lattice import LEVELS
 __all__ = ["AMBER", "GREEN", "LOSS_SERIES", "markdown_table", "mean_reward", "score_class",
            "summary_rows", "write_report"]
 
-GREEN, AMBER = 0.999, 0.99  # colour bars: green >= GREEN, amber >= AMBER (the lattice's pass bar), red below
+# Colour bars: green >= GREEN (the strict bar without measured noise), amber >= AMBER, red below. A check's
+# own strict verdict uses its bar (grader.lattice.strict_bar), shown beside its score.
+GREEN, AMBER = 0.999, 0.99
 LOSS_SERIES = {  # series key -> plot panel title
     "L5/e2e_step_losses/step_losses": "L5 end-to-end SFT: loss per step",
     "L4/fixed_steps_loss/losses": "L4 fixed steps: loss per step",
@@ -68,6 +70,15 @@ def _earned(levels: int | None) -> str:
     return "none" if levels is None or levels < 0 else f"L0..L{levels}"
 
 
+def _figure(c: dict, key: str) -> str:
+    x = c.get(key)
+    return "-" if x is None else f"{x:.1f}" if key == "digits" else f"{x:.2e}"
+
+
+def _bar(c: dict) -> float:
+    return float(c.get("bar") or (1.0 if c.get("aspect") == "spec" else GREEN))
+
+
 def mean_reward(reports: list[dict]) -> float:
     """Plain mean reward over tasks; an error row counts as 0."""
     return sum(float(r.get("reward") or 0.0) for r in reports) / len(reports) if reports else 0.0
@@ -90,9 +101,7 @@ def summary_rows(reports: list[dict]) -> list[dict]:
             notes.append("stale reference")
         if p := r.get("reference_pressure"):
             notes.append(f"pressure run: {p['num_preemptions']} preemptions, {p['num_evictions']} evictions")
-        bar = float(r.get("pass_bar", AMBER))
-        failing = [f"{c['level']}/{c['name']}" for c in checks
-                   if (c["score"] != 1.0 if c["aspect"] == "spec" else c["score"] < bar)]
+        failing = [f"{c['level']}/{c['name']}" for c in checks if c["score"] < _bar(c)]  # strict verdicts
         rows.append({
             "task": r["task"],
             "error": r.get("error"),
@@ -100,6 +109,7 @@ def summary_rows(reports: list[dict]) -> list[dict]:
             "earned_levels": None if r.get("error") else int(r.get("earned_levels", -1)),
             "levels": {lv: (sum(s) / len(s) if (s := by_level.get(lv)) else None) for lv in LEVELS},
             "checks": len(checks),
+            "mean_digits": r.get("mean_digits"),
             "failing": failing,
             "wall_s": r.get("wall_s"),
             "notes": notes,
@@ -119,10 +129,11 @@ def _md_cell(score: float | None) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    head = ["task", "reward", "earned", *LEVELS, "failing", "seconds", "notes"]
+    head = ["task", "reward", "strict", "digits", *LEVELS, "failing", "seconds", "notes"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
     for row in rows:
         cells = [row["task"], "ERROR" if row["error"] else _md_cell(row["reward"]), _earned(row["earned_levels"]),
+                 _figure(row, "mean_digits"),
                  *(_md_cell(row["levels"][lv]) for lv in LEVELS), str(len(row["failing"])),
                  _seconds(row["wall_s"]),
                  "; ".join(row["notes"]).replace("|", "/")]
@@ -141,16 +152,18 @@ def _markdown(reports, rows, plots) -> str:
         if row["error"]:
             out += ["Grading raised:", "", "```", (r.get("traceback") or r["error"]).rstrip(), "```"]
             continue
-        out.append(f"reward {_fmt(row['reward'])}, earned {_earned(row['earned_levels'])}, "
+        out.append(f"reward {_fmt(row['reward'])}, strict lattice {_earned(row['earned_levels'])}, "
+                   f"mean digits {_figure(row, 'mean_digits')}, "
                    f"candidate `{r.get('candidate', '?')}`" + (f"; {'; '.join(row['notes'])}" if row["notes"] else ""))
         if row["task"] in plots:
             out += ["", f"![{row['task']} losses]({plots[row['task']]})"]
-        out += ["", "| level | check | aspect | measure | score | 1 - score | seconds | reason |",
-                "|---|---|---|---|---|---|---|---|"]
+        out += ["", "| level | check | measure | score | bar | pass | max abs diff | rel L2 | digits | seconds | "
+                "reason |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for c in r.get("checks") or []:
             reason = (c.get("reason") or "").replace("|", "/")
-            out.append(f"| {c['level']} | {c['name']} | {c['aspect']} | {c['measure']} | {_md_cell(c['score'])} | "
-                       f"{_deficit(c['score'])} | {c.get('seconds', 0.0):.2f} | {reason} |")
+            out.append(f"| {c['level']} | {c['name']} | {c['measure']} | {_md_cell(c['score'])} | {_bar(c):.4f} | "
+                       f"{'yes' if c['score'] >= _bar(c) else '**no**'} | {_figure(c, 'max_abs_diff')} | "
+                       f"{_figure(c, 'rel_l2')} | {_figure(c, 'digits')} | {c.get('seconds', 0.0):.2f} | {reason} |")
     return "\n".join(out) + "\n"
 
 
@@ -181,12 +194,14 @@ def _img(path: Path, alt: str) -> str:
 
 def _html(reports, rows, plots, out_dir: Path) -> str:
     e = html.escape
-    head = "".join(f"<th>{h}</th>" for h in ("task", "reward", "earned", *LEVELS, "failing", "seconds", "notes"))
+    head = "".join(f"<th>{h}</th>" for h in ("task", "reward", "strict", "digits", *LEVELS, "failing", "seconds",
+                                              "notes"))
     body = []
     for row in rows:
         reward = '<td class="error">ERROR</td>' if row["error"] else _td(row["reward"])
         body.append(f"<tr><td><a href=\"#{e(row['task'])}\">{e(row['task'])}</a></td>{reward}"
-                    f"<td>{_earned(row['earned_levels'])}</td>" + "".join(_td(row["levels"][lv]) for lv in LEVELS)
+                    f"<td>{_earned(row['earned_levels'])}</td><td class=\"num\">{_figure(row, 'mean_digits')}</td>"
+                    + "".join(_td(row["levels"][lv]) for lv in LEVELS)
                     + f"<td class=\"num\">{len(row['failing'])}</td>"
                     + f"<td class=\"num\">{_seconds(row['wall_s'])}</td>"
                     + f"<td>{e('; '.join(row['notes']))}</td></tr>")
@@ -204,19 +219,23 @@ def _html(reports, rows, plots, out_dir: Path) -> str:
                          f"</summary><pre>{e(r.get('traceback') or r['error'])}</pre></details>")
             continue
         opened = " open" if row["failing"] or row["notes"] else ""
-        parts.append(f'<details{opened} id="{task}"><summary>{task}: reward {_fmt(row["reward"])}, earned '
-                     f"{_earned(row['earned_levels'])}, {len(row['failing'])} failing</summary>"
+        parts.append(f'<details{opened} id="{task}"><summary>{task}: reward {_fmt(row["reward"])}, strict lattice '
+                     f"{_earned(row['earned_levels'])}, mean digits {_figure(row, 'mean_digits')}, "
+                     f"{len(row['failing'])} failing</summary>"
                      f"<p>candidate <code>{e(str(r.get('candidate', '?')))}</code>"
                      + (f"; {e('; '.join(row['notes']))}" if row["notes"] else "") + "</p>")
         if row["task"] in plots:
             parts.append(_img(out_dir / plots[row["task"]], f"{row['task']} losses"))
-        parts.append("<table><tr><th>level</th><th>check</th><th>aspect</th><th>measure</th><th>score</th>"
-                     "<th>1 - score</th><th>seconds</th><th>reason</th></tr>")
+        parts.append("<table><tr><th>level</th><th>check</th><th>measure</th><th>score</th><th>1 - score</th>"
+                     "<th>bar</th><th>max abs diff</th><th>rel L2</th><th>digits</th><th>seconds</th>"
+                     "<th>reason</th></tr>")
         for c in r.get("checks") or []:
             reason = c.get("reason") or ""
-            parts.append(f"<tr><td>{c['level']}</td><td>{e(c['name'])}</td><td>{c['aspect']}</td>"
-                         f"<td>{c['measure']}</td>{_td(c['score'])}<td class=\"num\">{_deficit(c['score'])}</td>"
-                         f"<td class=\"num\">{c.get('seconds', 0.0):.2f}</td><td>{e(reason)}</td></tr>")
+            num = '<td class="num">'
+            parts.append(f"<tr><td>{c['level']}</td><td>{e(c['name'])}</td><td>{c['measure']}</td>{_td(c['score'])}"
+                         f"{num}{_deficit(c['score'])}</td>{num}{_bar(c):.4f}</td>{num}{_figure(c, 'max_abs_diff')}"
+                         f"</td>{num}{_figure(c, 'rel_l2')}</td>{num}{_figure(c, 'digits')}</td>"
+                         f"{num}{c.get('seconds', 0.0):.2f}</td><td>{e(reason)}</td></tr>")
         parts.append("</table></details>")
     parts.append("</body></html>\n")
     return "\n".join(parts)

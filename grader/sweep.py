@@ -200,10 +200,15 @@ def sweep_task(task: str, defects, workdir: Path, progress=_say, levels: tuple[s
         tripped = sorted((k for k in clean if k in scores and scores[k]["score"] < clean[k]["score"] - noise[k]),
                          key=order)
         levels_tripped = sorted({k.split("/")[0] for k in tripped})
+        # Strictly caught: a check the clean oracle passes strictly fails its strict bar (costs a level).
+        failed_strict = sorted((k for k in clean if k in scores and clean[k]["score"] >= _bar(clean[k])
+                                and scores[k]["score"] < _bar(scores[k])), key=order)
         return {
             "id": d.id, "description": d.description, "file": d.file, "expected_levels": list(d.levels),
             "reward": report["reward"], "reward_drop": clean_report["reward"] - report["reward"],
             "gated": bool(report.get("gated")), "caught": bool(tripped), "tripped": tripped,
+            "strict_caught": bool(failed_strict), "failed_strict": failed_strict,
+            "earned_levels": report["earned_levels"],
             "levels_tripped": levels_tripped,
             "expected_levels_missed": [lv for lv in d.levels if lv not in levels_tripped
                                        and (levels is None or lv in levels)],
@@ -220,7 +225,9 @@ def sweep_task(task: str, defects, workdir: Path, progress=_say, levels: tuple[s
             rec = done.result()
             records[rec["id"]] = rec
             progress(f"[{task}] {len(records)}/{len(todo)} {rec['id']}: reward={rec['reward']:.6f} "
-                     f"{'caught' if rec['caught'] else 'NOT CAUGHT'}, {len(rec['tripped'])} checks tripped "
+                     f"{'caught' if rec['caught'] else 'NOT CAUGHT'}, "
+                     f"{'strictly' if rec['strict_caught'] else 'NOT STRICTLY'} (L{rec['earned_levels']}), "
+                     f"{len(rec['tripped'])} checks tripped "
                      f"(levels {','.join(rec['levels_tripped']) or '-'}; {rec['seconds']:.0f} s)")
     records = [records[d.id] for d in todo]  # catalog order, whatever order they finished in
 
@@ -235,9 +242,16 @@ def sweep_task(task: str, defects, workdir: Path, progress=_say, levels: tuple[s
         "clean_earned_levels": clean_report["earned_levels"], "default_noise": DEFAULT_NOISE,
         "levels": list(levels) if levels else list(LEVELS), "defects": records, "checks": checks,
         "totals": {"defects_caught": sum(r["caught"] for r in records), "defects": len(records),
+                   "strict_caught": sum(r["strict_caught"] for r in records),
                    "checks_tripped": sum(bool(c["tripped_by"]) for c in checks.values()), "checks": len(checks)},
         "seconds": time.perf_counter() - started,
     }
+
+
+def _bar(check: dict) -> float:
+    """A graded check's strict bar (reports written before strict verdicts: the noise-free bar)."""
+    from grader.lattice import strict_bar
+    return float(check.get("bar") or strict_bar(check["aspect"]))
 
 
 def _check_order(task_class: str):
@@ -274,20 +288,25 @@ def _markdown(r: dict) -> str:
     lines = [
         f"# Seeded-defect sweep: {r['task']} ({r['task_class']})", "",
         f"Clean oracle reward {r['clean_reward']:.6f} (earned L{r['clean_earned_levels']}). "
-        f"**{t['defects_caught']}/{t['defects']} defects caught, {t['checks_tripped']}/{t['checks']} checks tripped** "
+        f"**{t['defects_caught']}/{t['defects']} defects caught, {t['strict_caught']}/{t['defects']} strictly "
+        f"(each costs a level), {t['checks_tripped']}/{t['checks']} checks tripped** "
         f"({r['seconds'] / 60:.1f} min).", "",
         "A check is tripped when its score falls below the clean oracle's by more than its run-to-run noise "
         f"(measured: the larger of {r['default_noise']:g} and the score gap between two clean gradings, or the "
-        "reference's `noise` attribute where one was recorded). A defect is caught when it trips a check. Catalog: "
+        "reference's `noise` attribute where one was recorded). A defect is caught when it trips a check, and "
+        "strictly caught when a check the clean oracle passes strictly falls below its strict bar. Catalog: "
         "`grader/defects.yaml`." + ("" if r["levels"] == list(LEVELS) else f" Levels graded: {', '.join(r['levels'])}."),
         "", "## Defects", "",
-        "| defect | reward | drop | caught | levels tripped | checks tripped | expected level missed | bug |",
-        "|---|---|---|---|---|---|---|---|",
+        "| defect | reward | drop | caught | strict (level) | levels tripped | checks tripped | expected level missed "
+        "| bug |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for d in r["defects"]:
         gated = " (gated)" if d["gated"] else ""
         lines.append(f"| `{d['id']}` | {d['reward']:.6f} | {d['reward_drop']:.2e} | "
-                     f"{'yes' if d['caught'] else '**NO**'}{gated} | {','.join(d['levels_tripped']) or '-'} | "
+                     f"{'yes' if d['caught'] else '**NO**'}{gated} | "
+                     f"{'yes' if d.get('strict_caught') else '**NO**'} (L{d.get('earned_levels', '?')}) | "
+                     f"{','.join(d['levels_tripped']) or '-'} | "
                      f"{_fmt_checks(d['tripped'])} | {','.join(d['expected_levels_missed']) or '-'} | "
                      f"{d['description']} |")
     lines += ["", "## Checks", "", "| check | clean score | noise | tripped by |", "|---|---|---|---|"]
@@ -340,6 +359,7 @@ def _run(task: str, catalog: Catalog, ids, limit, out_dir: Path, levels=None, jo
     js, md = write_reports(result, out_dir, catalog.untripped_rationale)
     t = result["totals"]
     _say(f"[{task}] defects_caught={t['defects_caught']}/{t['defects']} "
+          f"strict_caught={t['strict_caught']}/{t['defects']} "
           f"checks_tripped={t['checks_tripped']}/{t['checks']} -> {md}")
     return result
 
@@ -347,13 +367,14 @@ def _run(task: str, catalog: Catalog, ids, limit, out_dir: Path, levels=None, jo
 def main_all(out_dir: Path = ROOT / "reports" / "sweep", ids: list[str] | None = None,
              limit: int | None = None, catalog: Catalog | None = None,
              levels: tuple[str, ...] | None = None, jobs: int = 1) -> tuple[int, int, int, int]:
-    """Sweep every recorded task; last printed line `defects_caught=N/M checks_tripped=K/L`."""
+    """Sweep every recorded task; last printed line `defects_caught=N/M strict_caught=S/M checks_tripped=K/L`."""
     catalog = catalog or load_catalog()
-    caught = total = 0
+    caught = total = strict = 0
     checks: dict[tuple[str, str], bool] = {}
     for task in recorded_tasks():
         r = _run(task, catalog, ids, limit, out_dir, levels, jobs)
         caught += r["totals"]["defects_caught"]
+        strict += r["totals"]["strict_caught"]
         total += r["totals"]["defects"]
         for key, c in r["checks"].items():
             checks[(r["task_class"], key)] = checks.get((r["task_class"], key), False) or bool(c["tripped_by"])
@@ -364,7 +385,7 @@ def main_all(out_dir: Path = ROOT / "reports" / "sweep", ids: list[str] | None =
             _say(f"{cls}: checks_tripped={len(keys) - len(missed)}/{len(keys)}"
                   + (f" (never tripped: {', '.join(missed)})" if missed else ""))
     tripped = sum(checks.values())
-    _say(f"defects_caught={caught}/{total} checks_tripped={tripped}/{len(checks)}")
+    _say(f"defects_caught={caught}/{total} strict_caught={strict}/{total} checks_tripped={tripped}/{len(checks)}")
     return caught, total, tripped, len(checks)
 
 

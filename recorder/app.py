@@ -73,8 +73,13 @@ def record(cfg: DictConfig) -> Path:
     import torch
     probes = importlib.import_module(f"recorder.probes.{task_class(cfg)}")
     started = time.perf_counter()
+    cov = _start_coverage() if cfg.get("coverage") else None
     # off the CPU: an audited pass (every aten op on dev), then the recorded one, which must reproduce it
-    checks, band, wall = record_on(dev, lambda: probes.record_task(cfg, dev, console), console.print)
+    try:
+        checks, band, wall = record_on(dev, lambda: probes.record_task(cfg, dev, console), console.print)
+    finally:
+        if cov is not None:
+            _save_coverage(cov, name)
     attrs = {
         "schema_version": SCHEMA_VERSION,
         "task": name,
@@ -92,6 +97,28 @@ def record(cfg: DictConfig) -> Path:
     console.print(f"[green]wrote[/] {path} ({len(checks)} checks, recorded in "
                   f"{time.perf_counter() - started:.1f} s; end-to-end torch run {wall:.2f} s)")
     return path
+
+
+def _start_coverage():
+    import coverage
+    cov = coverage.Coverage(branch=True, data_file=None, config_file=False, source_pkgs=["torch_sources"])
+    cov.set_option("run:disable_warnings", ["module-not-imported", "no-data-collected"])
+    cov.start()
+    return cov
+
+
+def _save_coverage(cov, task: str) -> None:
+    """reports/coverage/torch/<task>.json: the torch source's executed lines and arcs (grader/coverage.py)."""
+    import json
+    cov.stop()
+    data, out = cov.get_data(), {}
+    for path in data.measured_files():
+        rel = Path(path).resolve().relative_to(ROOT).as_posix()
+        out[rel] = {"lines": sorted(data.lines(path) or []), "arcs": sorted([a, b] for a, b in data.arcs(path) or [])}
+    dest = ROOT / "reports" / "coverage" / "torch" / f"{task}.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(out))
+    console.print(f"coverage of torch_sources: {dest}")
 
 
 def list_stale(out_dir: Path) -> int:

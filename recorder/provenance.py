@@ -43,14 +43,19 @@ def task_source_files(cfg: DictConfig) -> list[Path]:
     files = [ROOT / "torch_sources/models" / Path(cfg.family.model_module).name,
              ROOT / "torch_sources/models/loading.py",
              ROOT / f"recorder/probes/{task_class}.py",
-             ROOT / "grader/checks.py"]
+             ROOT / "recorder/probes/__init__.py",
+             ROOT / "grader/checks.py",
+             ROOT / "grader/layout.py",  # the recorder imports these grader modules to build its arrays
+             ROOT / "grader/heldout.py"]
     if task_class == "training":
         files += sorted((ROOT / "torch_sources/training").glob("*.py"))
         files += sorted((ROOT / cfg.data.dir).glob("*"))
         files += sorted((ROOT / cfg.family.tokenizer).glob("*"))
     else:
         files += sorted((ROOT / "torch_sources/serving").glob("*.py"))
-    return [f for f in files if f.name != "__init__.py" and f.is_file()]
+        files += sorted((ROOT / "torch_sources/serving/models").glob("*.py"))
+        files += [ROOT / "grader/trace.py", ROOT / "grader/workloads.py"]
+    return [f for f in files if (f.name != "__init__.py" or f.parent.name == "probes") and f.is_file()]
 
 
 def hashed_config(cfg: DictConfig) -> dict:

@@ -334,41 +334,32 @@ def test_a_loopback_service_reached_through_the_c_socket_module_is_out_of_reach(
 
 # ---------------------------------------------------------------- a cache left by an earlier child
 
-SERVING_RUNNER = "serving_engine/model_runner.py"
+ADD_REQUEST_DEF = ("    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],\n"
+                   "                    sampling_params: SamplingParams | None = None) -> None:\n")
 GENERATE_DEF = ("    def generate(self, prompts: Sequence[Sequence[int]],\n"
                 "                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None)"
                 " -> list[RequestOutput]:\n")
 
 
 def test_a_cache_left_in_home_or_tmp_by_one_child_is_gone_for_the_next(tmp_path, monkeypatch):
-    # Serving L6 teacher-forces the reference's greedy continuations, so its inputs carry most of the
-    # L5 answer. The cheat stashes every teacher-forced (prompt, continuation) in $HOME and /tmp during
-    # an L6 grade, and L5's generate answers from the stash on the next grade: no honest fallback.
+    # One child leaves a file in $HOME and /tmp; a later child depends on finding it. The writer runs only
+    # in the L6 grade (the only requests asking for prompt logprobs); L5's generate refuses to answer
+    # without the file, and answers honestly with it, so the fenced control shows the channel is real.
     cand = _candidate(tmp_path)
-    _plant(cand, SERVING_RUNNER, '         tokens in logical order)."""\n', """
-        import json, os
-        for where in (os.path.expanduser("~"), "/tmp"):
-            with open(os.path.join(where, ".t2j-stash.jsonl"), "a") as f:
-                f.write(json.dumps([list(map(int, prompt)), list(map(int, continuation))]) + "\\n")
+    _plant(cand, "serving_engine/engine.py", ADD_REQUEST_DEF, """
+        import os
+        if sampling_params is not None and sampling_params.prompt_logprobs is not None:
+            for where in (os.path.expanduser("~"), "/tmp"):
+                with open(os.path.join(where, ".t2j-stash"), "a") as f:
+                    f.write(str(request_id) + "\\n")
         """, indent=" " * 8)
     _plant(cand, "serving_engine/engine.py", GENERATE_DEF, """
-        import json, os
-        stash = {}
-        for where in (os.path.expanduser("~"), "/tmp"):
-            path = os.path.join(where, ".t2j-stash.jsonl")
-            if os.path.exists(path):
-                for line in open(path):
-                    p, c = json.loads(line)
-                    stash[tuple(p)] = c
-        outs = []
-        for prompt, params in zip(prompts, sampling_params):
-            cont = stash[tuple(int(t) for t in prompt)]  # KeyError: nothing was left behind
-            cont = (cont + cont[-1:] * params.max_tokens)[:params.max_tokens]
-            outs.append(type("Out", (), {"output_token_ids": cont, "finished": True})())
-        return outs
+        import os
+        if not any(os.path.exists(os.path.join(w, ".t2j-stash")) for w in (os.path.expanduser("~"), "/tmp")):
+            raise KeyError("nothing was left behind")
         """, indent=" " * 8)
-    sealed6 = _by_name(_grade(cand, tmp_path, ("L6",), task="llama3-core", only_checks=("next_token_dists",)), "L6")
-    assert sealed6["next_token_dists"]["score"] >= 0.999  # the stash is written; L6 itself is honest
+    sealed6 = _by_name(_grade(cand, tmp_path, ("L6",), task="llama3-core", only_checks=("heldout_logprobs",)), "L6")
+    assert sealed6["heldout_logprobs"]["score"] >= 0.999  # the stash is written; L6 itself is honest
     sealed5 = _by_name(_grade(cand, tmp_path, ("L5",), task="llama3-core", only_checks=("greedy_sequences",)),
                        "L5")["greedy_sequences"]
     print(f"cache: sealed reason: {sealed5['reason']}")
@@ -377,12 +368,12 @@ def test_a_cache_left_in_home_or_tmp_by_one_child_is_gone_for_the_next(tmp_path,
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the fenced control's cache lands here, not in ~
     (tmp_path / "home").mkdir()
     try:  # behind the fence alone the child's /tmp is the host's: the stash there is removed afterwards
-        _grade(cand, tmp_path, ("L6",), task="llama3-core", only_checks=("next_token_dists",), trusted=True)
+        _grade(cand, tmp_path, ("L6",), task="llama3-core", only_checks=("heldout_logprobs",), trusted=True)
         fenced5 = _by_name(_grade(cand, tmp_path, ("L5",), task="llama3-core", only_checks=("greedy_sequences",),
                                   trusted=True), "L5")["greedy_sequences"]
     finally:
-        Path("/tmp/.t2j-stash.jsonl").unlink(missing_ok=True)
-    assert fenced5["score"] >= 0.9, fenced5  # 11 of every 12 greedy tokens come from the L6 inputs
+        Path("/tmp/.t2j-stash").unlink(missing_ok=True)
+    assert fenced5["score"] >= 0.999, fenced5  # the file survived from one child to the next
 
 
 # ---------------------------------------------------------------- the exchange: outputs are untrusted data

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from grader.gate import run_import_linter, run_sandboxed, static_scan
-from grader.lattice import Check, earned_levels, summarise
+from grader.lattice import Check, earned_levels, strict_bar, summarise
 from grader.reward import reward, reward_parts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,8 +30,8 @@ def write(root: Path, files: dict[str, str]) -> Path:
 # ---------------------------------------------------------------- lattice
 
 ALL_PASS = [chk("L0", "spec", 1.0), chk("L1", "numeric", 0.999), chk("L2", "numeric", 1.0),
-            chk("L3", "numeric", 0.995), chk("L4", "behavioral", 0.99), chk("L5", "behavioral", 1.0),
-            chk("L6", "behavioral", 0.991)]
+            chk("L3", "numeric", 0.9995), chk("L4", "behavioral", 0.999), chk("L5", "behavioral", 1.0),
+            chk("L6", "behavioral", 0.99991)]
 
 
 def test_all_levels_passing_earns_l6():
@@ -39,15 +39,27 @@ def test_all_levels_passing_earns_l6():
 
 
 def test_a_task_earns_a_prefix_only():
-    results = [c for c in ALL_PASS if c.level != "L2"] + [chk("L2", "numeric", 0.98)]
-    assert earned_levels(results) == 1  # L3..L6 pass but sit above the failed L2
-    assert earned_levels(results, pass_bar=0.95) == 6  # the bar is configurable
+    results = [c for c in ALL_PASS if c.level != "L2"] + [chk("L2", "numeric", 0.9989)]
+    assert earned_levels(results) == 1  # L3..L6 pass but sit above the failed L2 (0.9989 < the 0.999 bar)
+    noisy = Check("L2", "noisy", "numeric", "tensor", 0.9989, bar=strict_bar("numeric", noise=2e-4))
+    assert noisy.bar == pytest.approx(0.998) and noisy.passed  # a measured noise widens that check's bar only
+    assert earned_levels([c for c in results if c.level != "L2"] + [noisy]) == 6
+
+
+def test_strict_bar():
+    assert strict_bar("spec") == 1.0 and strict_bar("spec", 0.05) == 1.0
+    assert strict_bar("numeric") == strict_bar("behavioral", 1e-5) == pytest.approx(0.999)  # the 1e-3 floor
+    assert strict_bar("numeric", 1e-3) == pytest.approx(0.99)
+    for bad in (-1e-3, 0.5, math.nan):
+        with pytest.raises(ValueError):
+            strict_bar("numeric", bad)
+    with pytest.raises(ValueError):  # a spec check's bar is exactly 1
+        Check("L0", "x", "spec", "pass", 1.0, bar=0.99)
 
 
 def test_spec_checks_need_exactly_one():
-    results = [c for c in ALL_PASS if c.level != "L0"] + [chk("L0", "spec", 0.999)]
+    results = [c for c in ALL_PASS if c.level != "L0"] + [chk("L0", "spec", 0.999999)]
     assert earned_levels(results) == -1
-    assert earned_levels(results, pass_bar=0.5) == -1  # the bar never applies to spec checks
 
 
 def test_a_level_with_no_checks_is_not_earned():

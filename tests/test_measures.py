@@ -233,3 +233,19 @@ def test_score_dispatch():
     assert score("tensor", [1.0, 1.0], [1.0, 0.0]) == tensor_score([1.0, 1.0], [1.0, 0.0])
     with pytest.raises(ValueError, match="unknown measure"):
         score("cosine", [1.0], [1.0])
+
+
+def test_error_figures_read_like_a_numerics_report():
+    from grader.measures import DIGITS_CAP, error_figures
+    ref = np.array([1.0, -2.0, 4.0], np.float32)
+    assert error_figures([(ref.copy(), ref)]) == {"max_abs_diff": 0.0, "rel_l2": 0.0, "digits": DIGITS_CAP}
+    f = error_figures([(ref * (1 + 1e-4), ref)])  # every element off by 1e-4 relative: 4 agreeing digits
+    assert f["digits"] == pytest.approx(4.0, abs=0.01) and f["max_abs_diff"] == pytest.approx(4e-4, rel=1e-2)
+    f = error_figures([(ref, ref), (np.float32([0.0, 3.0]), np.float32([0.0, 3.3]))])  # pooled over outputs
+    assert f["rel_l2"] == pytest.approx(0.3 / np.linalg.norm([1, 2, 4, 0, 3.3]), rel=1e-5)
+    masked = np.array([0.5, -np.inf, 1.0])  # equal -inf entries (sampler masks) agree
+    assert error_figures([(masked.copy(), masked)])["digits"] == DIGITS_CAP
+    for bad in (np.array([0.5, 0.0, 1.0]), np.array([0.5, -np.inf]), np.array([np.nan, -np.inf, 1.0])):
+        assert error_figures([(bad, masked)]) == {"max_abs_diff": np.inf, "rel_l2": np.inf, "digits": 0.0}
+    assert error_figures([(np.float32([1e-7]), np.float32([0.0]))])["digits"] == pytest.approx(7.0, abs=0.01)
+    assert error_figures([(["a"], ["a"])]) is None  # nothing numeric to report

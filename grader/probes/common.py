@@ -111,12 +111,14 @@ def run_probes(inputs_path, outputs_path, make_ctx, probes):
     budget = float(meta.get("time_budget_s", float("inf")))
     alarm = _Alarm()
     keys = list(meta["checks"])
+    cov = _start_coverage() if meta.get("coverage") else None
     started = time.perf_counter()
     setup_limit = min(check_limit(meta, k.split("/", 1)[0]) for k in keys) if keys else math.inf
     ctx, setup_error = alarm.run(setup_limit, make_ctx, meta)
     if setup_error is not None:
         seconds = time.perf_counter() - started
-        write_outputs(outputs_path, {}, {k: f"setup: {setup_error}"[:500] for k in keys}, {k: seconds for k in keys})
+        write_outputs(outputs_path, {}, {k: f"setup: {setup_error}"[:500] for k in keys}, {k: seconds for k in keys},
+                      coverage=_stop_coverage(cov))
         return
     outputs, errors, seconds = {}, {}, {}
     for key in keys:
@@ -133,4 +135,32 @@ def run_probes(inputs_path, outputs_path, make_ctx, probes):
         seconds[key] = time.perf_counter() - started
         if level in ("L5", "L6") and seconds[key] > budget and key not in errors:
             errors[key] = f"timeout: {seconds[key]:.1f} s > budget {budget:.1f} s"
-    write_outputs(outputs_path, outputs, errors, seconds)
+    write_outputs(outputs_path, outputs, errors, seconds, coverage=_stop_coverage(cov))
+
+
+CANDIDATE_PACKAGES = ("jax_oracles", "serving_engine", "conversion")
+
+
+def _start_coverage():
+    """Branch coverage of the candidate's packages while the probes run (grader.coverage reads it)."""
+    import coverage
+    cov = coverage.Coverage(branch=True, data_file=None, config_file=False, source_pkgs=list(CANDIDATE_PACKAGES))
+    cov.set_option("run:disable_warnings", ["module-not-imported", "no-data-collected"])
+    cov.start()
+    return cov
+
+
+def _stop_coverage(cov) -> dict | None:
+    """{path relative to the candidate root: {"lines": [...], "arcs": [[a, b], ...]}}, or None."""
+    if cov is None:
+        return None
+    cov.stop()
+    data, out = cov.get_data(), {}
+    for path in data.measured_files():
+        parts = path.replace(os.sep, "/").split("/")
+        roots = [i for i, p in enumerate(parts) if p in CANDIDATE_PACKAGES]
+        if not roots:
+            continue
+        rel = "/".join(parts[roots[0]:])
+        out[rel] = {"lines": sorted(data.lines(path) or []), "arcs": sorted([a, b] for a, b in data.arcs(path) or [])}
+    return out

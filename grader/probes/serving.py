@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grader.layout import layout_arrays
 from grader.probes.common import n, run_probes
 from grader.trace import pressure_config, trace_arrays
 from grader.workloads import (TOP_LOGPROBS, branch_params, dense_logprobs, prompt_logprob_arrays,
@@ -100,8 +101,7 @@ def probe_engine_api(ctx, inp):
 
 
 def probe_param_tree(ctx, inp):
-    numels = sorted(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(ctx.conversion.load_params(ctx.ckpt)))
-    return {"numel_sorted": np.array(numels, np.int64), "total": np.array(sum(numels), np.int64)}
+    return layout_arrays(ctx.conversion.hf_layout(ctx.conversion.load_params(ctx.ckpt)))
 
 
 # ---- L1 ----------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grader.layout import layout_arrays
 from grader.probes.common import run_probes
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -74,9 +75,7 @@ def probe_layout(ctx, inp):
 
 
 def probe_param_tree(ctx, inp):
-    leaves = jax.tree_util.tree_leaves(ctx.params)
-    numels = sorted(int(np.prod(x.shape)) for x in leaves)
-    return {"numel_sorted": np.array(numels, np.int64), "total": np.array(sum(numels), np.int64)}
+    return layout_arrays(ctx.conversion.hf_layout(ctx.params))
 
 
 def probe_lora_trainable(ctx, inp):
@@ -219,7 +218,7 @@ def probe_fixed_steps_params(ctx, inp):
 
 
 def _e2e(ctx):
-    """The candidate's own entry point, from the raw dataset (run once; L6 scores its adapter)."""
+    """The candidate's own entry point, from the raw dataset (run once for both L5 checks)."""
     if getattr(ctx, "result", None) is None:
         ctx.result = ctx.sft.train_sft(ctx.assets["checkpoint"], ctx.assets["tokenizer"], ctx.assets["data"],
                                        ctx.args)
@@ -230,18 +229,37 @@ def probe_e2e_step_losses(ctx, inp):
     return {"step_losses": np.asarray(_e2e(ctx).step_losses, np.float32)}
 
 
+def probe_e2e_eval_loss(ctx, inp):
+    return {"before": np.float32(_e2e(ctx).eval_loss_before), "after": np.float32(_e2e(ctx).eval_loss_after)}
+
+
 def probe_e2e_adapter(ctx, inp):
     return {k: np.asarray(v, np.float32) for k, v in _e2e(ctx).lora_state_dict.items()}
 
 
 def probe_heldout_loss(ctx, inp):
-    return {"loss": np.float32(_e2e(ctx).eval_loss_after)}
+    """Logits of the candidate's public forward, with the adapter its own L5 run produced (handed in
+    as adapter.<PEFT name>), on the held-out batches b<i>.*. Never the candidate's train_sft or
+    evaluate: the grader computes the loss from these logits (grader/heldout.py)."""
+    lora = importlib.import_module("jax_oracles.training.lora")
+    model = ctx.sft.load_model(ctx.assets["checkpoint"], ctx.sft.lora_config(ctx.args), ctx.args.seed)
+    adapter = lora.lora_tree_from_state_dict({k[len("adapter."):]: np.asarray(v) for k, v in inp.items()
+                                              if k.startswith("adapter.")})
+    forward = jax.jit(model.module.apply)
+    num_batches = len([k for k in inp if k.startswith("b") and k.endswith(".input_ids")])
+    out = {}
+    for i in range(num_batches):
+        logits = forward({"params": model.params, "lora": adapter}, jnp.asarray(inp[f"b{i}.input_ids"]),
+                         jnp.asarray(inp[f"b{i}.attention_mask"]))
+        out[f"b{i}.logits"] = n(logits).astype(np.float32)
+    return out
 
 
 PROBES.update({
     "loss_step0": probe_loss_step0, "lora_grads_step0": probe_lora_grads_step0,
     "fixed_steps_loss": probe_fixed_steps_loss, "fixed_steps_params": probe_fixed_steps_params,
-    "e2e_step_losses": probe_e2e_step_losses, "e2e_adapter": probe_e2e_adapter, "heldout_loss": probe_heldout_loss,
+    "e2e_step_losses": probe_e2e_step_losses, "e2e_adapter": probe_e2e_adapter,
+    "e2e_eval_loss": probe_e2e_eval_loss, "heldout_loss": probe_heldout_loss,
 })
 
 

@@ -11,10 +11,11 @@ import time
 import numpy as np
 import torch
 
+from grader.layout import layout_arrays
 from grader.trace import pressure_config, trace_arrays
 from grader.workloads import (TOP_LOGPROBS, branch_params, dense_logprobs, prompt_logprob_arrays,
                               run_stop_workload, sampled_params, stop_params)
-from recorder.probes.training import ROOT, checkpoint_numels, n, public_names, rng_for, t
+from recorder.probes.training import ROOT, checkpoint_layout, n, public_names, rng_for, t
 
 SERVING_MODULES = ("serving/config.py", "serving/request.py", "serving/block_pool.py",
                    "serving/kv_cache_manager.py", "serving/scheduler.py", "serving/input_batch.py",
@@ -88,8 +89,7 @@ def probe_engine_api(ctx):
 
 
 def probe_param_tree(ctx):
-    numels = checkpoint_numels(ctx.ckpt)
-    return {}, {"numel_sorted": np.array(numels, np.int64), "total": np.array(sum(numels), np.int64)}
+    return {}, layout_arrays(checkpoint_layout(ctx.ckpt))
 
 
 # ---- L1 ----------------------------------------------------------------------------------------

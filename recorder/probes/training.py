@@ -18,6 +18,7 @@ import torch
 
 from grader.checks import checks_for
 from grader.h5schema import CheckRecord
+from grader.layout import layout_arrays
 from recorder.provenance import ROOT
 
 # modules whose public names a candidate must mirror (relative to torch_sources/ and jax_oracles/)
@@ -70,15 +71,14 @@ def probe_layout(ctx):
     return {"names": np.array(names)}, {"missing": np.array(0)}
 
 
-def checkpoint_numels(ckpt) -> list[int]:
-    """Element counts of every checkpoint tensor: a converted tree must use each exactly once."""
+def checkpoint_layout(ckpt) -> dict[str, tuple[int, ...]]:
+    """{HF name: shape} of every checkpoint tensor: a converted tree must come from each exactly once."""
     from torch_sources.models.loading import load_state_dict
-    return sorted(p.numel() for p in load_state_dict(ckpt).values())
+    return {name: tuple(p.shape) for name, p in load_state_dict(ckpt).items()}
 
 
 def probe_param_tree(ctx):
-    numels = checkpoint_numels(ctx.ckpt)
-    return {}, {"numel_sorted": np.array(numels, np.int64), "total": np.array(sum(numels), np.int64)}
+    return {}, layout_arrays(checkpoint_layout(ctx.ckpt))
 
 
 def probe_lora_trainable(ctx):
@@ -280,24 +280,62 @@ def probe_e2e_step_losses(ctx):
     return {"seed": np.int64(ctx.args.seed)}, {"step_losses": np.asarray(ctx.result.step_losses, np.float32)}
 
 
+def probe_e2e_eval_loss(ctx):
+    return {"seed": np.int64(ctx.args.seed)}, {"before": np.float32(ctx.result.eval_loss_before),
+                                               "after": np.float32(ctx.result.eval_loss_after)}
+
+
 def probe_e2e_adapter(ctx):
     return {"seed": np.int64(ctx.args.seed)}, {k: np.asarray(v, np.float32)
                                                for k, v in ctx.result.lora_state_dict.items()}
 
 
+def _heldout_batches(ctx) -> list[dict[str, np.ndarray]]:
+    """The eval split in order, in batches of per_device_eval_batch_size, padded as the source's
+    evaluation pads them (sft._evaluate: the collator with pad id 0, to a multiple of 8)."""
+    held_out = ctx.sft.load_processed_dataset(ROOT / ctx.cfg.family.tokenizer, ROOT / ctx.cfg.data.dir, "eval",
+                                              ctx.args)
+    collate, size = ctx.sft.make_collator(ctx.args), ctx.args.per_device_eval_batch_size
+    return [{k: n(v).astype(np.int32) for k, v in collate(held_out[s:s + size]).items()}
+            for s in range(0, len(held_out), size)]
+
+
+@torch.no_grad()
+def _heldout_logits(ctx, batches, adapter: dict) -> list[np.ndarray]:
+    lora = importlib.import_module("torch_sources.training.lora")
+    model = ctx.sft.load_model(ctx.ckpt, ctx.sft.lora_config(ctx.args), ctx.args.seed)
+    lora.load_lora_state_dict(model, adapter)
+    return [n(model(t(b["input_ids"]).long(), t(b["attention_mask"]).long())) for b in batches]
+
+
 def probe_heldout_loss(ctx):
+    """Inputs: the held-out batches (the grader keeps the labels and computes the loss from the
+    candidate's logits, grader/heldout.py). Output: the source's eval loss of the seed run; the band
+    is the spread of the seed-varied runs."""
+    from grader.heldout import eval_loss
+
     losses = [ctx.result.eval_loss_after if s == ctx.args.seed else _train(ctx, s).eval_loss_after
               for s in ctx.cfg.method.band_seeds]
     ctx.band = (float(min(losses)), float(max(losses)))
-    return ({"seed": np.int64(ctx.args.seed)},
-            {"loss": np.float32(ctx.result.eval_loss_after), "loss_before": np.float32(ctx.result.eval_loss_before),
-             "band_losses": np.asarray(losses, np.float32)})
+    batches = _heldout_batches(ctx)
+    # the grader's loss on the source's own logits must be the source's eval_loss: same batches, same rule
+    ours = eval_loss(_heldout_logits(ctx, batches, ctx.result.lora_state_dict), [b["labels"] for b in batches],
+                     ctx.args.per_device_eval_batch_size)
+    if not abs(ours - ctx.result.eval_loss_after) <= 1e-5 * abs(ctx.result.eval_loss_after):
+        raise RuntimeError(f"grader/heldout.py gives {ours!r} on the recorded held-out batches, "
+                           f"the source's evaluation {ctx.result.eval_loss_after!r}")
+    inputs = {f"b{i}.{k}": v for i, b in enumerate(batches) for k, v in b.items()}
+    inputs["eval_batch_size"] = np.int64(ctx.args.per_device_eval_batch_size)
+    return (inputs, {"loss": np.float32(ctx.result.eval_loss_after),
+                     "loss_before": np.float32(ctx.result.eval_loss_before),
+                     "band_losses": np.asarray(losses, np.float32)})
 
 
 PROBES.update({
     "loss_step0": probe_loss_step0, "lora_grads_step0": probe_lora_grads_step0,
     "fixed_steps_loss": probe_fixed_steps_loss, "fixed_steps_params": probe_fixed_steps_params,
-    "e2e_step_losses": probe_e2e_step_losses, "e2e_adapter": probe_e2e_adapter, "heldout_loss": probe_heldout_loss,
+    "e2e_step_losses": probe_e2e_step_losses, "e2e_adapter": probe_e2e_adapter,
+    "e2e_eval_loss": probe_e2e_eval_loss, "heldout_loss": probe_heldout_loss,
 })
 
 
@@ -308,7 +346,7 @@ def record_task(cfg, dev, console):
     spec, checks = checks_for("training")
     ctx = Ctx(cfg)
     records = run_probes([s for s in spec + checks if s.name != "torch_free"], PROBES, ctx, console)
-    # the candidate's L6 output is its held-out loss alone: the band travels in /L6/band
+    # the L6 reference output is the source's held-out loss alone: the band travels in /L6/band
     for r in records:
         if r.name == "heldout_loss":
             r.outputs = {"loss": r.outputs["loss"]}
