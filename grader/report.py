@@ -72,7 +72,7 @@ def _earned(levels: int | None) -> str:
 
 def _figure(c: dict, key: str) -> str:
     x = c.get(key)
-    return "-" if x is None else f"{x:.1f}" if key == "digits" else f"{x:.2e}"
+    return "-" if x is None else f"{x:.1f}" if key.endswith("digits") else f"{x:.2e}"
 
 
 def _bar(c: dict) -> float:

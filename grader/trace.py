@@ -16,10 +16,12 @@ import numpy as np
 __all__ = ["pressure_config", "trace_arrays", "reference_pressure"]
 
 
-def pressure_config(engine_config, num_blocks: int):
+def pressure_config(engine_config, num_blocks: int, long_prefill_token_threshold: int = 0):
     """The mode's engine (either side's EngineConfig dataclass) with a KV pool small enough to preempt and
-    evict, prefix caching on (vLLM v1's default), and the per-step trace kept."""
-    return replace(engine_config, num_blocks=int(num_blocks), enable_prefix_caching=True, record_trace=True)
+    evict, prefix caching on (vLLM v1's default), and the per-step trace kept; chunked mode may also cap
+    one request's chunk (long_prefill_token_threshold, 0 = no cap)."""
+    return replace(engine_config, num_blocks=int(num_blocks), enable_prefix_caching=True, record_trace=True,
+                   long_prefill_token_threshold=int(long_prefill_token_threshold))
 
 
 def _rows(rows, width: int, fill: int = -1) -> np.ndarray:

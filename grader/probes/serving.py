@@ -106,13 +106,19 @@ def probe_param_tree(ctx, inp):
 
 # ---- L1 ----------------------------------------------------------------------------------------
 
-def probe_paged_attention(ctx, inp):
+def probe_paged_attention(ctx, inp, impl="auto"):
     window, cap = int(inp["sliding_window"]) or None, float(inp["soft_cap"]) or None
     out = sv("paged_attention").ragged_paged_attention(
         *(jnp.asarray(inp[k]) for k in ("q", "k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens",
                                         "num_seqs")),
-        sm_scale=float(inp["sm_scale"]), sliding_window=window, soft_cap=cap)
+        sm_scale=float(inp["sm_scale"]), sliding_window=window, soft_cap=cap, impl=impl)
     return {"out": n(out)[: int(inp["cu_q_lens"][-1])]}
+
+
+def probe_paged_attention_kernel(ctx, inp):
+    # The Pallas kernel body: compiled where a GPU is, run as JAX ops (interpret mode) on a CPU, so the
+    # kernel is graded on every machine, not only on GPUs.
+    return probe_paged_attention(ctx, inp, impl="kernel" if jax.default_backend() == "gpu" else "interpret")
 
 
 def probe_rope(ctx, inp):
@@ -245,7 +251,7 @@ def probe_engine_invariants(ctx, inp):
 
 def probe_schedule_trace(ctx, inp):
     # the mode's engine under pressure, the candidate's own trace (recorder/probes/serving.py is the twin)
-    config = pressure_config(ctx.engine_config, inp["num_blocks"])
+    config = pressure_config(ctx.engine_config, inp["num_blocks"], inp["long_prefill_token_threshold"])
     engine = sv("engine").LLMEngine(ctx.ckpt, config)
     engine.generate(_unpad(inp["prompts"]), sv("config").SamplingParams(
         temperature=0.0, max_tokens=ctx.workload["max_tokens"], ignore_eos=True))
@@ -290,6 +296,8 @@ def probe_next_token_dists(ctx, inp):
 PROBES = {
     "layout": probe_layout, "engine_api": probe_engine_api, "param_tree": probe_param_tree,
     "paged_attention": probe_paged_attention, "paged_attention_window_softcap": probe_paged_attention,
+    "paged_attention_kernel": probe_paged_attention_kernel,
+    "paged_attention_kernel_window_softcap": probe_paged_attention_kernel,
     "rope": probe_rope, "norm": probe_norm,
     **{f"sampler_{w}": _sampler_probe(w) for w in ("penalties", "temperature", "min_p", "top_k_top_p",
                                                    "greedy", "random")},

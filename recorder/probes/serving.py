@@ -331,7 +331,8 @@ def probe_schedule_trace(ctx):
     """The scheduler at work under pressure: per step, what ran, what was preempted, the block tables and
     the blocks freed and evicted. Refuses a workload that never evicts (or, beyond core mode, never preempts)."""
     prompts = workload(ctx.cfg, ctx.vocab)
-    config = pressure_config(ctx.engine_config, ctx.cfg.mode.pressure.num_blocks)
+    pressure = ctx.cfg.mode.pressure
+    config = pressure_config(ctx.engine_config, pressure.num_blocks, pressure.get("long_prefill_token_threshold", 0))
     engine = sv("engine").LLMEngine(ctx.ckpt, config)
     engine.generate(prompts, sv("config").SamplingParams(temperature=0.0, max_tokens=ctx.cfg.mode.workload.max_tokens,
                                                          ignore_eos=True))
@@ -340,7 +341,8 @@ def probe_schedule_trace(ctx):
     if evictions == 0 or (preemptions == 0 and config.max_running > 1):
         raise ValueError(f"the pressure workload of {ctx.cfg.task_name} does not bite: {preemptions} preemptions, "
                          f"{evictions} evictions with num_blocks={config.num_blocks}")
-    return {"prompts": _pad(prompts, max(map(len, prompts))), "num_blocks": np.array(config.num_blocks, np.int64)}, out
+    return {"prompts": _pad(prompts, max(map(len, prompts))), "num_blocks": np.array(config.num_blocks, np.int64),
+            "long_prefill_token_threshold": np.array(config.long_prefill_token_threshold, np.int64)}, out
 
 
 def _first_occurrence(row, lo, hi, banned=()):
@@ -355,14 +357,16 @@ def plan_stop_workload(ctx):
     """Requests that finish every way vLLM finishes one, planned from a free run (same seeds, eos ignored):
     0 at eos (the generation config's first id), 1 at its second eos id, 2 at a stop token, 3 at a stop token
     that is also its last allowed token, 4 at max_tokens, 5 as 0 but ignore_eos, 6 aborted after 3 tokens,
-    7 at max_model_len (a prompt longer than the chunked budget)."""
+    7 at max_model_len (a prompt longer than the chunked budget), 8 aborted after the first step, before
+    its first token (still waiting in core mode, mid-prefill in the others)."""
     w, cfg, SP = ctx.cfg.mode.workload, ctx.engine_config, sv("config").SamplingParams
     r, (lo, hi), M = rng_for(f"{ctx.cfg.task_name}/stop"), w.prompt_len, w.max_tokens
     prompts = [[int(x) for x in r.integers(3, ctx.vocab, int(r.integers(lo, hi + 1)))] for _ in range(7)]
     prompts[5] = prompts[0]
     prompts.append([int(x) for x in r.integers(3, ctx.vocab, cfg.max_model_len - 3)])
+    prompts.append([int(x) for x in r.integers(3, ctx.vocab, hi)])
     n = len(prompts)
-    seeds = np.array([500, 501, 502, 503, 504, 500, 506, 507], np.int64)  # 5 repeats 0: same prompt, same draws
+    seeds = np.array([500, 501, 502, 503, 504, 500, 506, 507, 508], np.int64)  # 5 repeats 0: same prompt and draws
     free_run = {"seed": seeds, "stop_token": [-1] * n, "max_tokens": [M] * n, "ignore_eos": [1] * n}
     pre = sv("engine").LLMEngine(ctx.ckpt, cfg).generate(prompts, stop_params(SP, free_run))
     outs = [o.output_token_ids for o in pre]
@@ -371,10 +375,10 @@ def plan_stop_workload(ctx):
     _, eos2 = _first_occurrence(outs[1], 1, M - 2, others(1, 5) | {eos})
     _, stop2 = _first_occurrence(outs[2], 2, M - 2, {eos, eos2})
     p3, stop3 = _first_occurrence(outs[3], 2, M - 2, {eos, eos2})
-    plan = {"seed": seeds, "stop_token": np.array([-1, -1, stop2, stop3, -1, -1, -1, -1], np.int64),
-            "max_tokens": np.array([M, M, M, p3 + 1, 4, M, M, M], np.int64),
-            "ignore_eos": np.array([0, 0, 0, 0, 0, 1, 0, 0], np.int64),
-            "abort_after": np.array([-1, -1, -1, -1, -1, -1, 3, -1], np.int64)}
+    plan = {"seed": seeds, "stop_token": np.array([-1, -1, stop2, stop3, -1, -1, -1, -1, -1], np.int64),
+            "max_tokens": np.array([M, M, M, p3 + 1, 4, M, M, M, M], np.int64),
+            "ignore_eos": np.array([0, 0, 0, 0, 0, 1, 0, 0, 0], np.int64),
+            "abort_after": np.array([-1, -1, -1, -1, -1, -1, 3, -1, 0], np.int64)}
     return prompts, np.array([eos, eos2], np.int64), plan
 
 
@@ -385,9 +389,10 @@ def probe_stop_conditions(ctx):
     out = run_stop_workload(engine, prompts, stop_params(sv("config").SamplingParams, plan), plan["abort_after"])
     got = list(zip(out["finish_reason"].tolist(), out["stop_reason"].tolist()))
     want = [(1, -1), (1, int(eos_ids[1])), (1, int(plan["stop_token"][2])), (1, int(plan["stop_token"][3])),
-            (2, -1), (2, -1), (3, -1), (2, -1)]
+            (2, -1), (2, -1), (3, -1), (2, -1), (3, -1)]
     lens = [int((row >= 0).sum()) for row in out["output_ids"]]
     if (got != want or lens[3] != plan["max_tokens"][3] or lens[4] != 4 or eos_ids[0] not in out["output_ids"][5]
+            or lens[8] != 0
             or len(prompts[7]) + lens[7] != ctx.engine_config.max_model_len):
         raise ValueError(f"the stop workload of {ctx.cfg.task_name} misses a stop condition: {got} != {want}")
     return {"prompts": _pad(prompts, max(map(len, prompts))), "eos_token_ids": eos_ids, **plan}, out
@@ -432,6 +437,10 @@ PROBES = {
     "layout": probe_layout, "engine_api": probe_engine_api, "param_tree": probe_param_tree,
     "paged_attention": _attention_probe("paged_attention"),
     "paged_attention_window_softcap": _attention_probe("paged_attention_window_softcap", window=3, cap=5.0),
+    # the torch source has one attention; the JAX side answers these with its Pallas kernel (grader probes)
+    "paged_attention_kernel": _attention_probe("paged_attention_kernel"),
+    "paged_attention_kernel_window_softcap": _attention_probe("paged_attention_kernel_window_softcap", window=3,
+                                                              cap=5.0),
     "rope": probe_rope, "norm": probe_norm,
     **{f"sampler_{w}": _sampler_probe(w) for w in ("penalties", "temperature", "min_p", "top_k_top_p",
                                                    "greedy", "random")},
