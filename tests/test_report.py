@@ -89,7 +89,7 @@ def test_scores_are_truncated_not_rounded(tmp_path):
 def test_grade_all_loop_turns_a_raising_task_into_an_error_row(tmp_path, monkeypatch, capsys):
     graded = []
 
-    def fake_grade(cfg, candidate, references, report_dir, quiet=False):
+    def fake_grade(cfg, candidate, references, report_dir, quiet=False, coverage=False):
         graded.append(cfg.task_name)
         if cfg.task_name == "gemma4-core":
             raise RuntimeError("probe exploded")

@@ -78,11 +78,12 @@ def test_reports_list_untripped_checks_with_their_rationale(tmp_path):
                      "seconds": 1.0}],
         "checks": {"L1/rope": {"clean_score": 1.0, "clean_reason": None, "noise": 1e-6, "tripped_by": ["d1"]},
                    "L1/mlp": {"clean_score": 1.0, "clean_reason": None, "noise": 1e-6, "tripped_by": []}},
-        "totals": {"defects_caught": 1, "defects": 1, "checks_tripped": 1, "checks": 2},
+        "totals": {"defects_caught": 1, "defects": 1, "strict_caught": 1, "checks_tripped": 1, "checks": 2},
     }
     js, md = sweep.write_reports(result, tmp_path, {"L1/mlp": "kept because the MLP is half the FLOPs"})
     text = md.read_text()
-    assert "| `d1` |" in text and "**1/1 defects caught, 1/2 checks tripped**" in text
+    assert "| `d1` |" in text
+    assert "**1/1 defects caught, 1/1 strictly (each costs a level), 1/2 checks tripped**" in text
     assert "`L1/mlp`: kept because the MLP is half the FLOPs" in text
     assert json.loads(js.read_text())["untripped"] == {"L1/mlp": "kept because the MLP is half the FLOPs"}
 
