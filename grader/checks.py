@@ -72,9 +72,10 @@ SERVING_CHECKS = (
     _c("L1", "paged_attention", "numeric", "tensor", "ragged paged attention: prefill, chunk and decodes in one call"),
     _c("L1", "paged_attention_window_softcap", "numeric", "tensor", "the same with sliding window and soft-cap"),
     _c("L1", "paged_attention_kernel", "numeric", "tensor",
-       "the Pallas ragged paged-attention kernel body itself (interpret mode on CPU, compiled on GPU)"),
+       "the Pallas ragged paged-attention kernel body itself on contexts past one key block (interpret mode "
+       "on CPU, compiled on GPU)"),
     _c("L1", "paged_attention_kernel_window_softcap", "numeric", "tensor",
-       "the Pallas kernel with sliding window and soft-cap"),
+       "the Pallas kernel with a sliding window across its key blocks, and soft-cap"),
     _c("L1", "rope", "numeric", "tensor", "inverse frequencies and cos/sin of every layer type"),
     _c("L1", "norm", "numeric", "tensor", "the family's RMSNorm"),
     _c("L1", "sampler_penalties", "numeric", "tensor", "repetition, presence and frequency penalties"),

@@ -94,13 +94,16 @@ def probe_param_tree(ctx):
 
 # ---- L1 ----------------------------------------------------------------------------------------
 
-def _ragged_case(name, K, H, window=None, cap=None):
+def _ragged_case(name, K, H, window=None, cap=None, long=False):
+    """Prefill, decode, chunk after context, decode in one ragged batch. `long`: contexts past the kernel's
+    64-key blocks, so a flash-style kernel takes several online-softmax steps per query block."""
     r = rng_for(name)
-    S, P, N = 4, 24, 2 * K
-    q_lens, kv_lens = [5, 1, 3, 1], [5, 9, 14, 4]  # prefill, decode, chunk after context, decode
-    pages_per_seq = 4
+    S, N = 4, 2 * K
+    if long:
+        q_lens, kv_lens, pages_per_seq, P, T = [5, 1, 12, 1], [5, 90, 140, 20], 36, 150, 32
+    else:
+        q_lens, kv_lens, pages_per_seq, P, T = [5, 1, 3, 1], [5, 9, 14, 4], 4, 24, 16  # T: padded token bucket
     table = r.permutation(P)[: 4 * pages_per_seq].reshape(4, pages_per_seq).astype(np.int32)
-    T = 16  # padded token bucket
     q = r.standard_normal((T, N, H), np.float32)
     k = r.standard_normal((P, S, K, H), np.float32)
     v = r.standard_normal((P, S, K, H), np.float32)
@@ -110,9 +113,9 @@ def _ragged_case(name, K, H, window=None, cap=None):
             "sliding_window": np.int32(window or 0), "soft_cap": np.float32(cap or 0.0)}
 
 
-def _attention_probe(name, window=None, cap=None):
+def _attention_probe(name, window=None, cap=None, long=False):
     def probe(ctx):
-        inp = _ragged_case(name, 2, 16, window, cap)
+        inp = _ragged_case(name, 2, 16, window, cap, long)
         out = sv("paged_attention").ragged_paged_attention(
             *(t(inp[k]) for k in ("q", "k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")),
             sm_scale=float(inp["sm_scale"]), sliding_window=window, soft_cap=cap)
@@ -149,11 +152,13 @@ def _sampler_case(ctx):
     B, V = 4, ctx.vocab
     logits = (r.standard_normal((B, V)) * 3).astype(np.float32)
     prompt_mask = r.random((B, V)) < 0.05
-    counts = (r.random((B, V)) < 0.03).astype(np.int32) * r.integers(1, 3, (B, V)).astype(np.int32)
+    # Outputs long enough to hold a third of the vocabulary, and penalties large enough that a wrong sign or
+    # a dropped term moves the logits well past the strict bar (the penalties act on seen tokens only).
+    counts = (r.random((B, V)) < 0.3).astype(np.int32) * r.integers(1, 4, (B, V)).astype(np.int32)
     return {"logits": logits, "prompt_ids_mask": prompt_mask, "output_counts": counts,
             "repetition_penalty": np.array([1.0, 1.2, 1.5, 0.9], np.float32),
-            "presence_penalty": np.array([0.0, 0.5, 0.0, 0.2], np.float32),
-            "frequency_penalty": np.array([0.0, 0.1, 0.3, 0.0], np.float32),
+            "presence_penalty": np.array([0.0, 1.5, 0.0, 2.0], np.float32),
+            "frequency_penalty": np.array([0.0, 0.4, 0.8, 0.0], np.float32),
             "temperature": np.array([0.0, 0.7, 1.0, 1.3], np.float32),
             "min_p": np.array([0.0, 0.05, 0.1, 0.0], np.float32),
             "top_k": np.array([0, 5, 50, 1], np.int32), "top_p": np.array([1.0, 0.9, 0.5, 0.8], np.float32),
@@ -438,9 +443,9 @@ PROBES = {
     "paged_attention": _attention_probe("paged_attention"),
     "paged_attention_window_softcap": _attention_probe("paged_attention_window_softcap", window=3, cap=5.0),
     # the torch source has one attention; the JAX side answers these with its Pallas kernel (grader probes)
-    "paged_attention_kernel": _attention_probe("paged_attention_kernel"),
-    "paged_attention_kernel_window_softcap": _attention_probe("paged_attention_kernel_window_softcap", window=3,
-                                                              cap=5.0),
+    "paged_attention_kernel": _attention_probe("paged_attention_kernel", long=True),
+    "paged_attention_kernel_window_softcap": _attention_probe("paged_attention_kernel_window_softcap", window=70,
+                                                              cap=5.0, long=True),
     "rope": probe_rope, "norm": probe_norm,
     **{f"sampler_{w}": _sampler_probe(w) for w in ("penalties", "temperature", "min_p", "top_k_top_p",
                                                    "greedy", "random")},
