@@ -16,7 +16,7 @@ from grader.layout import layout_arrays
 from grader.probes.common import n, run_probes
 from grader.trace import pressure_config, trace_arrays
 from grader.workloads import (TOP_LOGPROBS, branch_params, dense_logprobs, prompt_logprob_arrays,
-                              run_stop_workload, sampled_params, stop_params)
+                              pad_rows, run_stop_workload, sampled_params, stop_params, unpad_rows)
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -55,15 +55,6 @@ class Ctx:
         return sv("model_runner").ModelRunner(self.ckpt, self.engine_config)
 
 
-def _unpad(rows):
-    return [[int(x) for x in row if x >= 0] for row in np.asarray(rows)]
-
-
-def _pad(rows, width, fill=-1):
-    out = np.full((len(rows), width), fill, np.int64)
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = row
-    return out
 
 
 # ---- L0 ----------------------------------------------------------------------------------------
@@ -172,8 +163,8 @@ def _pipeline_requests(inp):
                     repetition_penalty=float(inp["repetition_penalty"][k]),
                     presence_penalty=float(inp["presence_penalty"][k]),
                     frequency_penalty=float(inp["frequency_penalty"][k]), seed=None if seed < 0 else int(seed))
-        req = Request(f"pipe-{k}", _unpad(inp["prompt_token_ids"][k:k + 1])[0], params)
-        req.output_token_ids = _unpad(inp["output_token_ids"][k:k + 1])[0]
+        req = Request(f"pipe-{k}", unpad_rows(inp["prompt_token_ids"][k:k + 1])[0], params)
+        req.output_token_ids = unpad_rows(inp["output_token_ids"][k:k + 1])[0]
         reqs.append(req)
     return reqs
 
@@ -224,7 +215,7 @@ def probe_cache_state(ctx, inp):
 
 def _generate(ctx, inp, sampled):
     SP, w = sv("config").SamplingParams, ctx.workload
-    prompts = _unpad(inp["prompts"])
+    prompts = unpad_rows(inp["prompts"])
     params = (sampled_params(SP, len(prompts), w["max_tokens"]) if sampled else
               [SP(temperature=0.0, max_tokens=w["max_tokens"], ignore_eos=True)] * len(prompts))
     engine = sv("engine").LLMEngine(ctx.ckpt, ctx.engine_config)
@@ -234,12 +225,12 @@ def _generate(ctx, inp, sampled):
 
 def probe_greedy_sequences(ctx, inp):
     outs, _ = _generate(ctx, inp, sampled=False)
-    return {"output_ids": _pad([o.output_token_ids for o in outs], ctx.workload["max_tokens"])}
+    return {"output_ids": pad_rows([o.output_token_ids for o in outs], ctx.workload["max_tokens"])}
 
 
 def probe_sampled_sequences(ctx, inp):
     outs, _ = _generate(ctx, inp, sampled=True)
-    return {"output_ids": _pad([o.output_token_ids for o in outs], ctx.workload["max_tokens"])}
+    return {"output_ids": pad_rows([o.output_token_ids for o in outs], ctx.workload["max_tokens"])}
 
 
 def probe_engine_invariants(ctx, inp):
@@ -253,7 +244,7 @@ def probe_schedule_trace(ctx, inp):
     # the mode's engine under pressure, the candidate's own trace (recorder/probes/serving.py is the twin)
     config = pressure_config(ctx.engine_config, inp["num_blocks"], inp["long_prefill_token_threshold"])
     engine = sv("engine").LLMEngine(ctx.ckpt, config)
-    engine.generate(_unpad(inp["prompts"]), sv("config").SamplingParams(
+    engine.generate(unpad_rows(inp["prompts"]), sv("config").SamplingParams(
         temperature=0.0, max_tokens=ctx.workload["max_tokens"], ignore_eos=True))
     return trace_arrays(engine.scheduler.trace, config.max_num_seqs, config.max_blocks_per_seq, config.num_blocks)
 
@@ -261,15 +252,15 @@ def probe_schedule_trace(ctx, inp):
 def probe_stop_conditions(ctx, inp):
     engine = sv("engine").LLMEngine(ctx.ckpt, ctx.engine_config,
                                     override_generation_config={"eos_token_id": inp["eos_token_ids"].tolist()})
-    return run_stop_workload(engine, _unpad(inp["prompts"]), stop_params(sv("config").SamplingParams, inp),
+    return run_stop_workload(engine, unpad_rows(inp["prompts"]), stop_params(sv("config").SamplingParams, inp),
                              inp["abort_after"])
 
 
 def probe_sampling_branches(ctx, inp):
-    prompts, out = _unpad(inp["prompts"]), {}
+    prompts, out = unpad_rows(inp["prompts"]), {}
     for name, params in branch_params(sv("config").SamplingParams, len(prompts), ctx.workload["max_tokens"]).items():
         outs = sv("engine").LLMEngine(ctx.ckpt, ctx.engine_config).generate(prompts, params)
-        out[name] = _pad([o.output_token_ids for o in outs], ctx.workload["max_tokens"])
+        out[name] = pad_rows([o.output_token_ids for o in outs], ctx.workload["max_tokens"])
     return out
 
 

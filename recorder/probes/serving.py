@@ -14,7 +14,7 @@ import torch
 from grader.layout import layout_arrays
 from grader.trace import pressure_config, trace_arrays
 from grader.workloads import (TOP_LOGPROBS, branch_params, dense_logprobs, prompt_logprob_arrays,
-                              run_stop_workload, sampled_params, stop_params)
+                              pad_rows, run_stop_workload, sampled_params, stop_params)
 from recorder.probes.training import ROOT, checkpoint_layout, n, public_names, rng_for, t
 
 SERVING_MODULES = ("serving/config.py", "serving/request.py", "serving/block_pool.py",
@@ -68,12 +68,6 @@ def workload(cfg, vocab: int, name: str = "workload"):
         prompts.append([int(x) for x in body])
     return prompts
 
-
-def _pad(rows, width, fill=-1):
-    out = np.full((len(rows), width), fill, np.int64)
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = row
-    return out
 
 
 # ---- L0 ----------------------------------------------------------------------------------------
@@ -217,8 +211,8 @@ def _sampler_pipeline_case(ctx):
     prompts = [r.integers(0, V, int(r.integers(3, 12))).tolist() + [int(row.argmax())] for row in logits]
     outputs = [r.integers(0, V, 2 * s + int(r.integers(0, 2))).tolist() for _, _, s in rows]
     seeds = np.array([-1 if i % 3 == 0 else 1000 + 17 * k for k, (i, _, _) in enumerate(rows)], np.int64)
-    return {"logits": logits, **col, "seed": seeds, "prompt_token_ids": _pad(prompts, 12),
-            "output_token_ids": _pad(outputs, 8)}
+    return {"logits": logits, **col, "seed": seeds, "prompt_token_ids": pad_rows(prompts, 12),
+            "output_token_ids": pad_rows(outputs, 8)}
 
 
 def _pipeline_requests(inp, sampling_params_cls, request_cls):
@@ -315,19 +309,19 @@ def run_workload(ctx, sampled: bool):
 def probe_greedy_sequences(ctx):
     prompts, outs, stats, wall = run_workload(ctx, sampled=False)
     ctx.wall = wall
-    return ({"prompts": _pad(prompts, max(map(len, prompts)))},
-            {"output_ids": _pad([o.output_token_ids for o in outs], ctx.cfg.mode.workload.max_tokens)})
+    return ({"prompts": pad_rows(prompts, max(map(len, prompts)))},
+            {"output_ids": pad_rows([o.output_token_ids for o in outs], ctx.cfg.mode.workload.max_tokens)})
 
 
 def probe_sampled_sequences(ctx):
     prompts, outs, _, _ = run_workload(ctx, sampled=True)
-    return ({"prompts": _pad(prompts, max(map(len, prompts)))},
-            {"output_ids": _pad([o.output_token_ids for o in outs], ctx.cfg.mode.workload.max_tokens)})
+    return ({"prompts": pad_rows(prompts, max(map(len, prompts)))},
+            {"output_ids": pad_rows([o.output_token_ids for o in outs], ctx.cfg.mode.workload.max_tokens)})
 
 
 def probe_engine_invariants(ctx):
     prompts, _, stats, _ = run_workload(ctx, sampled=False)
-    return {"prompts": _pad(prompts, max(map(len, prompts)))}, {"prefix_hit_blocks": np.array(stats["num_prefix_hit_blocks"], np.int64),
+    return {"prompts": pad_rows(prompts, max(map(len, prompts)))}, {"prefix_hit_blocks": np.array(stats["num_prefix_hit_blocks"], np.int64),
                 "free_blocks_after": np.array(stats["num_free_blocks"], np.int64),
                 "num_blocks": np.array(stats["num_blocks"], np.int64)}
 
@@ -346,7 +340,7 @@ def probe_schedule_trace(ctx):
     if evictions == 0 or (preemptions == 0 and config.max_running > 1):
         raise ValueError(f"the pressure workload of {ctx.cfg.task_name} does not bite: {preemptions} preemptions, "
                          f"{evictions} evictions with num_blocks={config.num_blocks}")
-    return {"prompts": _pad(prompts, max(map(len, prompts))), "num_blocks": np.array(config.num_blocks, np.int64),
+    return {"prompts": pad_rows(prompts, max(map(len, prompts))), "num_blocks": np.array(config.num_blocks, np.int64),
             "long_prefill_token_threshold": np.array(config.long_prefill_token_threshold, np.int64)}, out
 
 
@@ -400,7 +394,7 @@ def probe_stop_conditions(ctx):
             or lens[8] != 0
             or len(prompts[7]) + lens[7] != ctx.engine_config.max_model_len):
         raise ValueError(f"the stop workload of {ctx.cfg.task_name} misses a stop condition: {got} != {want}")
-    return {"prompts": _pad(prompts, max(map(len, prompts))), "eos_token_ids": eos_ids, **plan}, out
+    return {"prompts": pad_rows(prompts, max(map(len, prompts))), "eos_token_ids": eos_ids, **plan}, out
 
 
 def probe_sampling_branches(ctx):
@@ -408,8 +402,8 @@ def probe_sampling_branches(ctx):
     out = {}
     for name, params in branch_params(sv("config").SamplingParams, len(prompts), w.max_tokens).items():
         outs = sv("engine").LLMEngine(ctx.ckpt, ctx.engine_config).generate(prompts, params)
-        out[name] = _pad([o.output_token_ids for o in outs], w.max_tokens)
-    return {"prompts": _pad(prompts, max(map(len, prompts)))}, out
+        out[name] = pad_rows([o.output_token_ids for o in outs], w.max_tokens)
+    return {"prompts": pad_rows(prompts, max(map(len, prompts)))}, out
 
 
 def probe_heldout_logprobs(ctx):
