@@ -9,7 +9,7 @@ TASK   ?= llama3-sft
 JOBS   ?= 2
 PYTEST := $(PY) -m pytest -q -p no:randomly
 
-.PHONY: venv verifier sandbox record record-all grade grade-all coverage-torch sweep test test-full bench assets stale clean-venv
+.PHONY: venv verifier sandbox record record-all grade grade-all calibrate coverage-torch sweep test test-full bench assets stale clean-venv
 
 venv: $(STAMP)
 
@@ -46,6 +46,9 @@ grade: venv sandbox   ## make grade TASK=llama3-sft [CANDIDATE=path] [TRUSTED=tr
 grade-all: venv sandbox   ## every recorded task graded, one report in reports/all (md, html, png) [CANDIDATE=path]; coverage of the graded code in reports/coverage
 	$(PY) -m grader.grade_all $(if $(CANDIDATE),candidate=$(CANDIDATE),)
 	$(PY) -m grader.coverage
+
+calibrate: venv sandbox   ## the oracle's compile seconds per task and timed level -> grader/budgets.yaml (L5/L6 budgets)
+	$(PY) -m grader.budget
 
 coverage-torch: venv   ## branch coverage of torch_sources/ while recording every task (references untouched)
 	for t in $$($(PY) -c "from recorder.app import known_tasks; print(' '.join(known_tasks()))"); do \

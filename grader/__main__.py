@@ -11,6 +11,7 @@ CONFIGS = str(Path(__file__).resolve().parents[1] / "configs")
 @hydra.main(version_base=None, config_path=CONFIGS, config_name="grader")
 def main(cfg: DictConfig) -> None:
     from grader.app import ROOT, grade
+    from grader.budget import BudgetPolicy
     from grader.h5schema import ReferenceError
     from grader.sandbox import SandboxUnavailable
 
@@ -24,7 +25,7 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     try:
         report = grade(cfg, candidate, ROOT / cfg.references, ROOT / cfg.report_dir,
-                       budget_factor=cfg.budget.factor, budget_min_s=cfg.budget.min_s,
+                       budget=BudgetPolicy.from_cfg(cfg.budget),
                        spec_timeout=cfg.timeouts.spec, numeric_timeout=cfg.timeouts.numeric,
                        check_timeout_s=cfg.timeouts.check, trusted=bool(cfg.trusted))
     except ReferenceError as e:

@@ -14,9 +14,10 @@ from rich.console import Console
 from rich.table import Table
 
 from grader import gate, heldout, sandbox
+from grader.budget import TIMED_LEVELS, BudgetPolicy, level_budget
 from grader.checks import checks_for
 from grader.coverage import merge as merge_coverage
-from grader.exchange import UntrustedOutput, read_coverage, read_outputs
+from grader.exchange import UntrustedOutput, read_compile_seconds, read_coverage, read_outputs
 from grader.h5schema import Reference, read_reference, write_arrays
 from grader.lattice import Check, earned_levels, strict_bar
 from grader.measures import error_figures
@@ -26,6 +27,7 @@ from grader.trace import reference_pressure
 
 ROOT = Path(__file__).resolve().parents[1]
 console = Console(width=150)
+STARTUP_SLACK_S = 30.0  # the sandboxed child's start (interpreter, jax import) on top of a timed level's budget
 # One sandboxed child per group of levels: a crash or a hang costs that group, never the grader.
 # L6 never shares a child with L5: training L6 runs the candidate's forward with the adapter its L5
 # child produced (grader/heldout.py), serving L6 inputs hold the greedy continuations L5 must produce.
@@ -96,23 +98,25 @@ def _score_heldout(spec, rec, produced: dict | None, error: str | None, band, se
     return Check(**kw, score=measure_score("banded", loss, (lo, hi))), detail
 
 
-def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget_factor: float = 5.0,
-          budget_min_s: float = 120.0, spec_timeout: float = 120.0, numeric_timeout: float = 300.0,
+def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: BudgetPolicy | None = None,
+          spec_timeout: float = 120.0, numeric_timeout: float = 300.0,
           quiet: bool = False, levels: tuple[str, ...] | None = None, check_timeout_s: float | None = None,
           only_checks: tuple[str, ...] | None = None, trusted: bool = False, compile_cache: Path | None = None,
-          coverage: bool = False) -> dict:
+          coverage: bool = False, measure_compile: bool = False) -> dict:
     """Grade `candidate` on the task whose composed config is `cfg` (recorder or grader config).
 
     `levels` restricts the run to some levels (L0's torch_free gate always runs); the reward then
     covers only the checks that ran; `only_checks` (names such as "rms_norm") restricts it further.
     `check_timeout_s` caps each L0-L4 check inside the child (grader/probes/common.py; default
-    120 s there); L5/L6 checks are capped by the time budget.
+    120 s there); each of L5 and L6 runs under one time budget (grader/budget.py, policy `budget`), kept
+    by the child and checked again on the grader's own clock.
 
     Every child runs sealed (grader/sandbox.py); where no sandbox can be made this raises
     SandboxUnavailable before anything runs, unless `trusted` (the oracles on such a machine: the
     Python-level fence alone). `compile_cache` is the sweep's shared JAX cache (trusted mutants only).
     `coverage`: every child runs under branch coverage of the candidate's packages; the report's "coverage"
-    holds the executed lines and arcs over all children (grader/coverage.py reads it).
+    holds the executed lines and arcs over all children (grader/coverage.py reads it). `measure_compile`
+    (calibration of the repo's own oracle only): the report's "compile_seconds" per timed level.
     """
     if not trusted:
         sandbox.ensure_sandbox()  # refuse up front, never fall back silently
@@ -139,7 +143,9 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget_facto
                        trusted=trusted)
     results.append(Check("L0", "torch_free", "spec", "pass", 1.0, None))
 
-    budget = max(budget_min_s, budget_factor * float(ref.attrs["wall_clock_s"]))
+    policy = budget or BudgetPolicy()
+    budgets = {lv: level_budget(ref, task, lv, policy) for lv in TIMED_LEVELS}
+    compile_seconds = {} if measure_compile else None
     selected = [s for s in all_specs if s.key in ref.checks and (levels is None or s.level in levels)
                 and (only_checks is None or s.name in only_checks)]
     # training L6 runs on the adapter the candidate's L5 child produced: that check runs whenever L6 does
@@ -168,14 +174,16 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget_facto
             continue
         if group == ("L0",):
             timeout = spec_timeout
-        elif group[0] in ("L5", "L6"):
-            timeout = budget + 60
+        elif group[0] in TIMED_LEVELS:
+            timeout = budgets[group[0]][0] + STARTUP_SLACK_S
         else:  # the per-check limit fires first for Python-level hangs; this backstop catches C-level ones
             timeout = max(numeric_timeout, (check_timeout_s or 0) * len(run) + 60)
         produced, errors, seconds = {}, {}, {}
         if run:
-            produced, errors, seconds = _run_group(candidate, cfg, references, run, inputs, budget, timeout,
-                                                   check_timeout_s, trusted, compile_cache, executed)
+            group_budget = budgets[group[0]][0] if group[0] in TIMED_LEVELS else None
+            produced, errors, seconds = _run_group(candidate, cfg, references, run, inputs, group_budget, timeout,
+                                                   check_timeout_s, trusted, compile_cache, executed,
+                                                   compile_seconds)
         errors = {**early, **errors}
         if any(s.key == heldout.ADAPTER_KEY for s in run):
             adapter, adapter_error = produced.get(heldout.ADAPTER_KEY), errors.get(heldout.ADAPTER_KEY, "no output")
@@ -189,7 +197,8 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget_facto
                 check = _score_check(*args)
             results.append(check)
     return _finish(task, candidate, results, ref, report_dir, stale, quiet, series, trusted=trusted,
-                   details=details, executed=executed)
+                   details=details, executed=executed, budgets={lv: b[1] for lv, b in budgets.items()},
+                   compile_seconds=compile_seconds)
 
 
 def _series(key, reference: dict, produced: dict) -> dict:
@@ -203,9 +212,11 @@ def _series(key, reference: dict, produced: dict) -> dict:
 
 
 def _run_group(candidate, cfg, ref_dir, specs, inputs, budget, timeout, check_timeout_s=None, trusted=False,
-               compile_cache=None, executed: dict | None = None):
+               compile_cache=None, executed: dict | None = None, compile_seconds: dict | None = None):
     """One sealed child on `inputs` (check key -> {name: array}); -> (outputs, errors, seconds) per check.
-    With `executed` (a dict), the child runs under coverage and its executed lines are merged into it."""
+    `budget`: the timed level's seconds (None below L5). With `executed` (a dict), the child runs under
+    coverage and its executed lines are merged into it; with `compile_seconds`, its JAX compile seconds are
+    added up per level there."""
     with tempfile.TemporaryDirectory(prefix="t2j-grade-") as tmp:
         tmp = Path(tmp)
         inputs_dir, out_dir = tmp / "inputs", tmp / "out"
@@ -214,8 +225,11 @@ def _run_group(candidate, cfg, ref_dir, specs, inputs, budget, timeout, check_ti
         for key, rel in _asset_paths(cfg).items():  # copied: the child never sees the repo
             shutil.copytree(ROOT / rel, inputs_dir / key)
             assets[key] = key  # relative to the inputs directory, wherever the sandbox mounts it
-        meta = {"task": _task_meta(cfg), "assets": assets, "checks": [s.key for s in specs],
-                "time_budget_s": budget}
+        meta = {"task": _task_meta(cfg), "assets": assets, "checks": [s.key for s in specs]}
+        if budget is not None:
+            meta["time_budget_s"] = float(budget)
+        if compile_seconds is not None:
+            meta["measure_compile"] = True
         if check_timeout_s is not None:
             meta["check_timeout_s"] = float(check_timeout_s)
         if executed is not None:
@@ -232,9 +246,16 @@ def _run_group(candidate, cfg, ref_dir, specs, inputs, budget, timeout, check_ti
             outputs = read_outputs(res.outputs, [s.key for s in specs])
             if executed is not None:
                 merge_coverage(executed, read_coverage(res.outputs))
-            return outputs
+            if compile_seconds is not None:
+                for key, sec in read_compile_seconds(res.outputs, [s.key for s in specs]).items():
+                    level = key.split("/", 1)[0]
+                    compile_seconds[level] = compile_seconds.get(level, 0.0) + sec
         except UntrustedOutput as e:
             return {}, {s.key: f"untrusted output: {e}" for s in specs}, {s.key: elapsed for s in specs}
+        if budget is not None and elapsed > budget + STARTUP_SLACK_S:  # the child's clock is the candidate's
+            why = f"timeout: the child ran {elapsed:.1f} s (grader's clock) > budget {budget:.1f} s + startup"
+            return {}, {s.key: why for s in specs}, {s.key: elapsed for s in specs}
+        return outputs
 
 
 def cfg_class(cfg) -> str:
@@ -242,7 +263,7 @@ def cfg_class(cfg) -> str:
 
 
 def _finish(task, candidate, results, ref, report_dir, stale, quiet, series, gated=None,
-            trusted=False, details=None, executed=None) -> dict:
+            trusted=False, details=None, executed=None, budgets=None, compile_seconds=None) -> dict:
     r = 0.0 if gated else compute_reward(results)
     levels = -1 if gated else earned_levels(results)
     digits = [c.digits for c in results if c.digits is not None]
@@ -252,7 +273,10 @@ def _finish(task, candidate, results, ref, report_dir, stale, quiet, series, gat
               "isolation": "trusted: Python-level fence only" if trusted else "bubblewrap sandbox",
               "reference_pressure": reference_pressure(ref),
               "checks": [asdict(c) for c in results], "series": series,
-              "details": details or {}}  # per check, what the grader computed itself (training L6: the loss)
+              "details": details or {},  # per check, what the grader computed itself (training L6: the loss)
+              "budgets": budgets or {}}  # per timed level: the budget and what it was derived from
+    if compile_seconds is not None:
+        report["compile_seconds"] = compile_seconds
     if executed is not None:
         report["coverage"] = {rel: {"lines": sorted(e["lines"]), "arcs": sorted(e["arcs"])}
                               for rel, e in sorted(executed.items())}

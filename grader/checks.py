@@ -103,6 +103,9 @@ SERVING_CHECKS = (
        "max_model_len, past eos with ignore_eos, and one aborted: outputs, finish and stop reasons, blocks freed"),
     _c("L5", "sampling_branches", "behavioral", "agreement",
        "a top-p-only batch (seeded) and a min-p-only batch (unseeded: the engine-wide noise stream)"),
+    _c("L5", "long_decode", "behavioral", "agreement",
+       "requests served one after another, each decoding greedily to max_model_len (over a thousand engine "
+       "steps: where the L5 time budget binds)"),
     _c("L6", "heldout_logprobs", "behavioral", "tensor",
        "held-out prompt log-probs and top-5 values through the live engine (prompt_logprobs, across chunks)"),
     _c("L6", "next_token_dists", "behavioral", "distributional",

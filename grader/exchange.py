@@ -23,7 +23,8 @@ import zlib
 
 import numpy as np
 
-__all__ = ["MAX_BYTES", "UntrustedOutput", "read_coverage", "read_outputs", "write_outputs"]
+__all__ = ["MAX_BYTES", "UntrustedOutput", "read_compile_seconds", "read_coverage", "read_outputs",
+           "write_outputs"]
 
 MAX_BYTES = 1 << 30       # the whole file, and all arrays together, uncompressed
 MAX_MEMBERS = 100_000
@@ -31,6 +32,7 @@ MAX_META_BYTES = 16 << 20
 MAX_REASON_CHARS = 2000
 META = "meta.json"
 COVERAGE = "coverage.json"  # only when the grader asked for it: executed lines and arcs per candidate file
+COMPILE = "compile.json"  # only when the calibration asked for it: JAX compile seconds per check
 MAX_COVERAGE_BYTES = 64 << 20
 _SOURCE = re.compile(r"(jax_oracles|serving_engine|conversion)(/[A-Za-z0-9_]{1,100}){1,6}\.py")
 _KEY = re.compile(r"L[0-6]/[A-Za-z0-9_.-]{1,200}")
@@ -43,9 +45,11 @@ class UntrustedOutput(ValueError):
 
 
 def write_outputs(path, groups: dict[str, dict[str, np.ndarray]], errors: dict[str, str],
-                  seconds: dict[str, float], coverage: dict | None = None) -> None:
+                  seconds: dict[str, float], coverage: dict | None = None,
+                  compile_seconds: dict[str, float] | None = None) -> None:
     """Child side: groups (check key -> {name: array}), per-check error reasons and seconds; coverage
-    ({relative source path: {"lines": [...], "arcs": [[a, b], ...]}}) when the grader asked for it."""
+    ({relative source path: {"lines": [...], "arcs": [[a, b], ...]}}) and compile seconds per check when the
+    grader asked for them."""
     tmp = f"{path}.partial"
     with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as z:
         for key, arrays in groups.items():
@@ -62,6 +66,8 @@ def write_outputs(path, groups: dict[str, dict[str, np.ndarray]], errors: dict[s
                                      "seconds": {k: float(v) for k, v in seconds.items()}}))
         if coverage is not None:
             z.writestr(COVERAGE, json.dumps(coverage))
+        if compile_seconds is not None:
+            z.writestr(COMPILE, json.dumps({k: float(v) for k, v in compile_seconds.items()}))
     os.replace(tmp, path)
 
 
@@ -164,7 +170,7 @@ def read_outputs(path, expected_keys) -> tuple[dict[str, dict[str, np.ndarray]],
                     raise UntrustedOutput(f"{META} is over {MAX_META_BYTES} bytes")
                 meta = z.read(info)
                 continue
-            if info.filename == COVERAGE:  # read on its own by read_coverage
+            if info.filename in (COVERAGE, COMPILE):  # read on their own by read_coverage, read_compile_seconds
                 continue
             key, _, leaf = info.filename.rpartition("/")
             name = leaf[:-4] if leaf.endswith(".npy") else ""
@@ -181,6 +187,26 @@ def read_outputs(path, expected_keys) -> tuple[dict[str, dict[str, np.ndarray]],
     if set(groups) != set(checks):
         raise UntrustedOutput(f"{META} lists other checks than the arrays hold")
     return groups, errors, seconds
+
+
+def read_compile_seconds(path, expected_keys) -> dict[str, float]:
+    """Grader side: the child's compile seconds per check ({} when it wrote none), validated."""
+    data = _read_file(path)
+    try:
+        z = zipfile.ZipFile(io.BytesIO(data))
+        info = next((i for i in z.infolist() if i.filename == COMPILE), None)
+        if info is None:
+            return {}
+        if info.file_size > MAX_META_BYTES:
+            raise UntrustedOutput(f"{COMPILE} is over {MAX_META_BYTES} bytes")
+        raw = json.loads(z.read(info).decode("utf-8"), parse_constant=lambda c: float("nan"))
+    except (zipfile.BadZipFile, EOFError, OSError, zlib.error, UnicodeDecodeError, ValueError) as e:
+        raise UntrustedOutput(f"{COMPILE} is unreadable ({e})") from None
+    if not isinstance(raw, dict) or not set(raw) <= set(expected_keys) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+            for v in raw.values()):
+        raise UntrustedOutput(f"{COMPILE}: expected finite, non-negative seconds per requested check")
+    return {k: float(v) for k, v in raw.items()}
 
 
 def read_coverage(path) -> dict[str, dict[str, list]]:

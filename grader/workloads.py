@@ -83,6 +83,19 @@ def run_stop_workload(engine, prompts: Sequence[Sequence[int]], params: Sequence
             "free_blocks_after": np.array(engine.stats()["num_free_blocks"], np.int64)}
 
 
+def run_long_decode(engine, prompts: Sequence[Sequence[int]], SamplingParams, max_model_len: int) -> dict:
+    """Requests served one after another on one engine (an online client waiting for each answer), each
+    decoding greedily to max_model_len: -> {"output_ids": i64[N, longest] padded with -1, "finish_reason"}.
+    Hundreds of engine steps: the L5 budget binds on an engine that dispatches op by op (no jit)."""
+    rows, reasons = [], []
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=0.0, max_tokens=max_model_len - len(prompt), ignore_eos=True)
+        (out,) = engine.generate([list(prompt)], params)
+        rows.append(out.output_token_ids)
+        reasons.append(FINISH_CODES[out.finish_reason])
+    return {"output_ids": pad_rows(rows, max(map(len, rows))), "finish_reason": np.array(reasons, np.int64)}
+
+
 def dense_logprobs(logprobs, vocab: int) -> np.ndarray:
     """A RequestOutput's logprobs=-1 dicts -> f32[N, vocab] (a token missing from a dict is -inf)."""
     out = np.full((len(logprobs), vocab), -np.inf, np.float32)

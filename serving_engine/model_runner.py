@@ -12,6 +12,7 @@ whose token is discarded (a partial prefill chunk, a padding row) are sampled gr
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -33,6 +34,34 @@ def _i32(x) -> np.ndarray:
     return np.asarray(x, dtype=np.int32)
 
 
+# ---- jitted bodies (Python here runs once per trace) -------------------------------------------------------
+# Module-level, the family module static: every runner of a process shares the compiled steps, as a vLLM
+# worker compiles once per shape and then serves request after request (a new engine costs no compilation).
+_TRACES = [0]  # traces of the two step functions in this process (each trace is one XLA compilation)
+_SAMPLER = Sampler()  # stateless
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,), static_argnames=("all_logprobs",))
+def _step(family, model, kv_cache, input_ids, positions, attn_meta, logits_indices, sampling, all_logprobs=False):
+    """-> (sampled ids i32[S], raw log-probs f32[S,V], kv_cache, log-probs f32[T_bucket,V] of every token
+    when all_logprobs (prompt logprobs) else None). input_ids/positions i32[T_bucket], logits_indices i32[S]
+    (S = max_num_seqs)."""
+    _TRACES[0] += 1
+    hidden, kv_cache = family.forward_paged(model, input_ids, positions, kv_cache, attn_meta)
+    logits = family.compute_logits(model, hidden[logits_indices])  # f32[S,V]
+    ids, raw_logprobs = _SAMPLER(logits, sampling)
+    every = jax.nn.log_softmax(family.compute_logits(model, hidden), -1) if all_logprobs else None
+    return ids, raw_logprobs, kv_cache, every
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _forward_logits(family, model, kv_cache, input_ids, positions, attn_meta):
+    """-> (logits f32[T_bucket,V] at every token, kv_cache)."""
+    _TRACES[0] += 1
+    hidden, kv_cache = family.forward_paged(model, input_ids, positions, kv_cache, attn_meta)
+    return family.compute_logits(model, hidden), kv_cache
+
+
 def attention_metadata(batch: BatchMetadata, impl: str = "auto") -> AttentionMetadata:
     """Host arrays (numpy) of one step; jit moves them to the device with the call."""
     return AttentionMetadata(slot_mapping=_i32(batch.slot_mapping), kv_lens=_i32(batch.seq_lens),
@@ -50,7 +79,6 @@ class ModelRunner:
         self.model_config, self.model = self.family.load_model(model_dir)
         self.vocab_size = self.model_config.vocab_size
         self.kv_cache = allocate_kv_cache(self.model_config, engine_config)
-        self.sampler = Sampler()
         self.attn_impl = attn_impl
         self.max_num_seqs = cfg.max_running
         self.token_buckets = list(token_buckets or make_token_buckets(cfg.max_num_batched_tokens))
@@ -63,27 +91,18 @@ class ModelRunner:
         self.num_steps = 0  # steps run: the engine-wide noise of unseeded requests is keyed by it
         self.num_compilations = 0  # traces of the jitted functions (each trace is one XLA compilation)
         self.buckets_used: set[int] = set()  # token buckets execute_model has run
-        self._step = jax.jit(self._step_fn, donate_argnums=(1,), static_argnames=("all_logprobs",))
-        self._forward_logits = jax.jit(self._forward_logits_fn, donate_argnums=(1,))
 
-    # ---- jitted bodies (Python here runs once per trace) ---------------------------------------------------
-    def _step_fn(self, model, kv_cache, input_ids, positions, attn_meta, logits_indices, sampling,
-                 all_logprobs=False):
-        """-> (sampled ids i32[S], raw log-probs f32[S,V], kv_cache, log-probs f32[T_bucket,V] of every token
-        when all_logprobs (prompt logprobs) else None). input_ids/positions i32[T_bucket], logits_indices i32[S]
-        (S = max_num_seqs)."""
-        self.num_compilations += 1
-        hidden, kv_cache = self.family.forward_paged(model, input_ids, positions, kv_cache, attn_meta)
-        logits = self.family.compute_logits(model, hidden[logits_indices])  # f32[S,V]
-        ids, raw_logprobs = self.sampler(logits, sampling)
-        every = jax.nn.log_softmax(self.family.compute_logits(model, hidden), -1) if all_logprobs else None
-        return ids, raw_logprobs, kv_cache, every
+    def _step(self, *args, **kwargs):
+        return self._traced(_step, self.family, *args, **kwargs)
 
-    def _forward_logits_fn(self, model, kv_cache, input_ids, positions, attn_meta):
-        """-> (logits f32[T_bucket,V] at every token, kv_cache)."""
-        self.num_compilations += 1
-        hidden, kv_cache = self.family.forward_paged(model, input_ids, positions, kv_cache, attn_meta)
-        return self.family.compute_logits(model, hidden), kv_cache
+    def _forward_logits(self, *args):
+        return self._traced(_forward_logits, self.family, *args)
+
+    def _traced(self, fn, *args, **kwargs):
+        before = _TRACES[0]
+        out = fn(*args, **kwargs)
+        self.num_compilations += _TRACES[0] - before
+        return out
 
     # ---- engine step ---------------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, int]:

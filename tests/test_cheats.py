@@ -383,18 +383,20 @@ def test_a_cache_left_in_home_or_tmp_by_one_child_is_gone_for_the_next(tmp_path,
 
 def test_an_output_file_swapped_for_a_link_to_the_references_scores_zero(tmp_path):
     cand = _candidate(tmp_path)
-    # at exit the child replaces its outputs with a symlink to the reference: a grader that followed it
-    # would read recorded answers as the candidate's
+    # at exit (the child leaves through os._exit, which the candidate wraps) it replaces its outputs with a
+    # symlink to the reference: a grader that followed it would read recorded answers as the candidate's
     _plant(cand, LLAMA, RMS_NORM_DEF, f"""
-        import atexit, os, sys
+        import os, sys
         frame = sys._getframe()
         while "outputs_path" not in frame.f_locals:
             frame = frame.f_back
         out = frame.f_locals["outputs_path"]
-        def swap():
+        real_exit = os._exit
+        def swap_then_exit(code):
             os.unlink(out)
             os.symlink({str(ROOT / "references" / f"{TASK}.h5")!r}, out)
-        atexit.register(swap)
+            real_exit(code)
+        os._exit = swap_then_exit
         """)
     checks = _by_name(_grade(cand, tmp_path, ("L1",)))
     for c in checks.values():
@@ -540,8 +542,8 @@ def test_a_hanging_check_times_out_alone(tmp_path):
 
 def test_run_probes_limits_each_check_and_keeps_going(tmp_path):
     inputs, outputs = tmp_path / "in.h5", tmp_path / "out.npz"
-    checks = ["L1/spin", "L1/swallow", "L1/stubborn", "L1/fine", "L5/slow", "L1/crash"]
-    write_arrays(inputs, {}, attrs={"meta": {"checks": checks, "check_timeout_s": 0.3, "time_budget_s": 0.6}})
+    checks = ["L1/spin", "L1/swallow", "L1/stubborn", "L1/fine", "L1/crash"]
+    write_arrays(inputs, {}, attrs={"meta": {"checks": checks, "check_timeout_s": 0.3}})
 
     def spin(ctx, inp):
         while True:
@@ -562,20 +564,40 @@ def test_run_probes_limits_each_check_and_keeps_going(tmp_path):
                 pass
         return {"y": np.zeros(1)}
 
-    def slow(ctx, inp):
-        time.sleep(10)
-
-    probes = {"spin": spin, "swallow": swallow, "stubborn": stubborn, "slow": slow,
+    probes = {"spin": spin, "swallow": swallow, "stubborn": stubborn,
               "fine": lambda ctx, inp: {"y": np.ones(2)}, "crash": lambda ctx, inp: 1 / 0}
     started = time.perf_counter()
     run_probes(inputs, outputs, lambda meta: None, probes)
     assert time.perf_counter() - started < 8.0
     groups, errors, seconds = read_outputs(outputs, checks)
     assert set(groups) == {"L1/fine"} and np.array_equal(groups["L1/fine"]["y"], np.ones(2))
-    for key in ("L1/spin", "L1/swallow", "L1/stubborn", "L5/slow"):
+    for key in ("L1/spin", "L1/swallow", "L1/stubborn"):
         assert errors[key].startswith("timeout"), errors
-    assert 0.6 <= seconds["L5/slow"] < 3.0  # L5/L6 are limited by the budget, not check_timeout_s
     assert errors["L1/crash"].startswith("crash: ZeroDivisionError")
+
+
+def test_a_timed_level_shares_one_budget_from_the_childs_start(tmp_path):
+    """L5 checks share time_budget_s, setup included, not check_timeout_s: a slow first check leaves the
+    next one what is left; once it is spent, the rest fail without running; a quick check before it passes."""
+    inputs, outputs = tmp_path / "in.h5", tmp_path / "out.npz"
+    checks = ["L5/quick", "L5/slow", "L5/after"]
+    write_arrays(inputs, {}, attrs={"meta": {"checks": checks, "check_timeout_s": 0.1, "time_budget_s": 1.5}})
+    ran = []
+
+    def make_ctx(meta):
+        time.sleep(0.5)  # the candidate's setup counts
+
+    def quick(ctx, inp):
+        time.sleep(0.3)  # past check_timeout_s, within the budget: L5 is not limited per check
+        return {"y": np.ones(1)}
+
+    probes = {"quick": quick, "slow": lambda ctx, inp: time.sleep(10),
+              "after": lambda ctx, inp: ran.append(1) or {"y": np.ones(1)}}
+    run_probes(inputs, outputs, make_ctx, probes)
+    groups, errors, seconds = read_outputs(outputs, checks)
+    assert set(groups) == {"L5/quick"}, errors
+    assert errors["L5/slow"].startswith("timeout") and 0.5 <= seconds["L5/slow"] < 1.5, (errors, seconds)
+    assert errors["L5/after"].startswith("timeout: the L5 budget") and not ran
 
 
 # ---------------------------------------------------------------- (e) NaN

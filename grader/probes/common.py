@@ -92,17 +92,19 @@ def _reason(e: Exception) -> str:
 
 
 def check_limit(meta: dict, level: str) -> float:
-    """The wall-clock limit of one check: meta["check_timeout_s"] (default 120 s) for L0-L4, the
-    time budget meta["time_budget_s"] for L5/L6 (too slow counts as wrong)."""
+    """The wall-clock limit of one L0-L4 check: meta["check_timeout_s"] (default 120 s). L5/L6 checks share
+    their level's time budget meta["time_budget_s"] instead (run_probes)."""
     if level in ("L5", "L6"):
         return float(meta.get("time_budget_s", math.inf))
     return float(meta.get("check_timeout_s", DEFAULT_CHECK_TIMEOUT_S))
 
 
 def run_probes(inputs_path, outputs_path, make_ctx, probes):
-    """A probe that raises or hangs fails its own check (with the reason), never the run. L5/L6 probes
-    past the time budget fail as 'timeout': too slow counts as wrong. A context that cannot be made
-    (the candidate's module does not import) fails every check with that reason."""
+    """A probe that raises or hangs fails its own check (with the reason), never the run. L5/L6 checks share
+    one time budget, meta["time_budget_s"], from the child's start (setup included): each runs under what is
+    left of it, and a check that ends past it fails as 'timeout' (too slow counts as wrong), as does every
+    check after it. A context that cannot be made (the candidate's module does not import) fails every check
+    with that reason."""
     groups, attrs = read_arrays(inputs_path)
     meta = attrs["meta"]
     # asset paths are relative to the inputs directory: the sandbox mounts it where the grader cannot know
@@ -112,33 +114,65 @@ def run_probes(inputs_path, outputs_path, make_ctx, probes):
     alarm = _Alarm()
     keys = list(meta["checks"])
     cov = _start_coverage() if meta.get("coverage") else None
-    started = time.perf_counter()
-    setup_limit = min(check_limit(meta, k.split("/", 1)[0]) for k in keys) if keys else math.inf
+    compile_clock = _CompileClock() if meta.get("measure_compile") else None
+    child_started = started = time.perf_counter()
+    timed = lambda key: key.split("/", 1)[0] in ("L5", "L6")  # noqa: E731
+    left = lambda: budget - (time.perf_counter() - child_started)  # noqa: E731
+    setup_limit = min(left() if timed(k) else check_limit(meta, k.split("/", 1)[0]) for k in keys) if keys \
+        else math.inf
     ctx, setup_error = alarm.run(setup_limit, make_ctx, meta)
     if setup_error is not None:
         seconds = time.perf_counter() - started
         write_outputs(outputs_path, {}, {k: f"setup: {setup_error}"[:500] for k in keys}, {k: seconds for k in keys},
-                      coverage=_stop_coverage(cov))
+                      coverage=_stop_coverage(cov), compile_seconds=_compile_seconds(compile_clock, keys))
         return
     outputs, errors, seconds = {}, {}, {}
     for key in keys:
         level, name = key.split("/", 1)
         started = time.perf_counter()
-        if name not in probes:
+        if compile_clock is not None:
+            compile_clock.key = key
+        if timed(key) and left() <= 0:
+            value, error = None, f"timeout: the {level} budget of {budget:.1f} s was spent before this check"
+        elif name not in probes:
             value, error = None, f"crash: the grader has no probe for {name!r}"
         else:
-            value, error = alarm.run(check_limit(meta, level), probes[name], ctx, groups.get(key, {}))
+            value, error = alarm.run(left() if timed(key) else check_limit(meta, level), probes[name], ctx,
+                                     groups.get(key, {}))
         if error is None:
             outputs[key] = value
         else:
             errors[key] = error
         seconds[key] = time.perf_counter() - started
-        if level in ("L5", "L6") and seconds[key] > budget and key not in errors:
-            errors[key] = f"timeout: {seconds[key]:.1f} s > budget {budget:.1f} s"
-    write_outputs(outputs_path, outputs, errors, seconds, coverage=_stop_coverage(cov))
+        if timed(key) and left() < 0 and key not in errors:
+            errors[key] = f"timeout: {level} took {budget - left():.1f} s > budget {budget:.1f} s"
+            outputs.pop(key, None)
+    write_outputs(outputs_path, outputs, errors, seconds, coverage=_stop_coverage(cov),
+                  compile_seconds=_compile_seconds(compile_clock, keys))
 
 
-CANDIDATE_PACKAGES = ("jax_oracles", "serving_engine", "conversion")
+class _CompileClock:
+    """Seconds JAX spends tracing, lowering and compiling, per check (jax.monitoring's compile events).
+    Read by the calibration only (grader/budget.py), on the repo's own oracle: never a candidate's word."""
+    EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+              "/jax/core/compile/backend_compile_duration")
+
+    def __init__(self):
+        self.key, self.seconds = "setup", {}
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event, duration, **_):
+        if event in self.EVENTS:
+            self.seconds[self.key] = self.seconds.get(self.key, 0.0) + float(duration)
+
+
+def _compile_seconds(clock, keys) -> dict | None:
+    if clock is None:
+        return None
+    out = {k: clock.seconds.get(k, 0.0) for k in keys}
+    if keys:  # setup's compilations (loading, converting) count for the first check
+        out[keys[0]] += clock.seconds.get("setup", 0.0)
+    return out
 
 
 def _start_coverage():

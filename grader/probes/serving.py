@@ -16,7 +16,7 @@ from grader.layout import layout_arrays
 from grader.probes.common import n, run_probes
 from grader.trace import pressure_config, trace_arrays
 from grader.workloads import (TOP_LOGPROBS, branch_params, dense_logprobs, prompt_logprob_arrays,
-                              pad_rows, run_stop_workload, sampled_params, stop_params, unpad_rows)
+                              pad_rows, run_long_decode, run_stop_workload, sampled_params, stop_params, unpad_rows)
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -264,6 +264,12 @@ def probe_sampling_branches(ctx, inp):
     return out
 
 
+def probe_long_decode(ctx, inp):
+    engine = sv("engine").LLMEngine(ctx.ckpt, ctx.engine_config)
+    return run_long_decode(engine, unpad_rows(inp["prompts"]), sv("config").SamplingParams,
+                           ctx.engine_config.max_model_len)
+
+
 def _prompts_of(inp):
     return [[int(x) for x in inp[f"prompt_{i}"]] for i in range(len([k for k in inp if k.startswith("prompt_")]))]
 
@@ -299,7 +305,7 @@ PROBES = {
     "greedy_sequences": probe_greedy_sequences, "sampled_sequences": probe_sampled_sequences,
     "engine_invariants": probe_engine_invariants, "schedule_trace": probe_schedule_trace,
     "stop_conditions": probe_stop_conditions, "sampling_branches": probe_sampling_branches,
-    "heldout_logprobs": probe_heldout_logprobs, "next_token_dists": probe_next_token_dists,
+    "long_decode": probe_long_decode, "heldout_logprobs": probe_heldout_logprobs, "next_token_dists": probe_next_token_dists,
 }
 
 

@@ -13,8 +13,8 @@ import torch
 
 from grader.layout import layout_arrays
 from grader.trace import pressure_config, trace_arrays
-from grader.workloads import (TOP_LOGPROBS, branch_params, dense_logprobs, prompt_logprob_arrays,
-                              pad_rows, run_stop_workload, sampled_params, stop_params)
+from grader.workloads import (FINISH_CODES, TOP_LOGPROBS, branch_params, dense_logprobs, prompt_logprob_arrays,
+                              pad_rows, run_long_decode, run_stop_workload, sampled_params, stop_params)
 from recorder.probes.training import ROOT, checkpoint_layout, n, public_names, rng_for, t
 
 SERVING_MODULES = ("serving/config.py", "serving/request.py", "serving/block_pool.py",
@@ -406,6 +406,22 @@ def probe_sampling_branches(ctx):
     return {"prompts": pad_rows(prompts, max(map(len, prompts)))}, out
 
 
+LONG_DECODE_REQUESTS = 24
+
+
+def probe_long_decode(ctx):
+    """Short prompts sharing their first block, served one by one, each to max_model_len (ignore_eos)."""
+    r, bs = rng_for(f"{ctx.cfg.task_name}/long_decode"), ctx.engine_config.block_size
+    head = [int(x) for x in r.integers(3, ctx.vocab, bs)]
+    prompts = [head + [int(x) for x in r.integers(3, ctx.vocab, int(r.integers(2, 2 * bs + 1)))]
+               for _ in range(LONG_DECODE_REQUESTS)]
+    engine = sv("engine").LLMEngine(ctx.ckpt, ctx.engine_config)
+    out = run_long_decode(engine, prompts, sv("config").SamplingParams, ctx.engine_config.max_model_len)
+    if (out["finish_reason"] != FINISH_CODES["length"]).any():
+        raise ValueError(f"the long decode of {ctx.cfg.task_name} did not run every request to max_model_len")
+    return {"prompts": pad_rows(prompts, max(map(len, prompts)))}, out
+
+
 def probe_heldout_logprobs(ctx):
     """Held-out prompt log-probs through the live engine (SamplingParams.prompt_logprobs, chunk by chunk). The
     third prompt starts with the first one's two full blocks: asking for prompt logprobs bypasses the cache."""
@@ -449,7 +465,7 @@ PROBES = {
     "greedy_sequences": probe_greedy_sequences, "sampled_sequences": probe_sampled_sequences,
     "engine_invariants": probe_engine_invariants, "schedule_trace": probe_schedule_trace,
     "stop_conditions": probe_stop_conditions, "sampling_branches": probe_sampling_branches,
-    "heldout_logprobs": probe_heldout_logprobs, "next_token_dists": probe_next_token_dists,
+    "long_decode": probe_long_decode, "heldout_logprobs": probe_heldout_logprobs, "next_token_dists": probe_next_token_dists,
 }
 
 
