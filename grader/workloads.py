@@ -57,7 +57,8 @@ def run_stop_workload(engine, prompts: Sequence[Sequence[int]], params: Sequence
     """Requests "0".."R-1" stepped to completion; request i is aborted once it holds abort_after[i] output
     tokens (-1: never). -> the outputs each request ended with, its finish reason and stop reason (as ints),
     the engine's unfinished-request count after every step (an abort must leave the scheduler at once) and
-    the free blocks once everything is done (an abort must give its blocks back)."""
+    the free blocks once everything is done (an abort must give its blocks back). The last count comes
+    after aborting a finished and an unknown id and one idle step."""
     ids = [str(i) for i in range(len(prompts))]
     for rid, prompt, p in zip(ids, prompts, params):
         engine.add_request(rid, list(prompt), p)
@@ -76,6 +77,12 @@ def run_stop_workload(engine, prompts: Sequence[Sequence[int]], params: Sequence
                 engine.abort_request([rid])
                 reason[rid] = FINISH_CODES["abort"]
         unfinished.append(engine.get_num_unfinished_requests())
+    # Everything is done: aborting a finished and an unknown id is a no-op, and a step with nothing to run
+    # returns no output (vLLM's engine loop calls step() on an idle engine all the time).
+    engine.abort_request([ids[0], "no-such-request"])
+    if engine.step():
+        raise RuntimeError("an idle engine step returned outputs")
+    unfinished.append(engine.get_num_unfinished_requests())
     return {"output_ids": pad_rows([last[rid] for rid in ids]),
             "finish_reason": np.array([reason[rid] for rid in ids], np.int64),
             "stop_reason": np.array([stop[rid] for rid in ids], np.int64),

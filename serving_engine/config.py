@@ -107,7 +107,3 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < -1):
                 raise ValueError(f"{name} must be None, -1 (whole vocabulary) or an int >= 0, got {value!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0

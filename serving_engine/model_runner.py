@@ -76,7 +76,7 @@ class ModelRunner:
         jax.config.update("jax_default_matmul_precision", "highest")
         cfg = self.engine_config = engine_config
         self.family = models.family(model_dir)
-        self.model_config, self.model = self.family.load_model(model_dir)
+        self.model_config, self.model = models.load_model(model_dir)
         self.vocab_size = self.model_config.vocab_size
         self.kv_cache = allocate_kv_cache(self.model_config, engine_config)
         self.attn_impl = attn_impl

@@ -78,7 +78,7 @@ def test_config_validation(s):
 
 def test_sampling_params_validation(s):
     p = s.SamplingParams(temperature=0.0, stop_token_ids=[5, 6])
-    assert p.greedy and p.stop_token_ids == (5, 6)
+    assert p.temperature == 0.0 and p.stop_token_ids == (5, 6)
     for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-1), dict(min_p=1.5), dict(max_tokens=0),
                 dict(repetition_penalty=0.0), dict(presence_penalty=3.0)):
         with pytest.raises(ValueError):

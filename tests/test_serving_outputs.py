@@ -330,3 +330,16 @@ def test_validation(pkg):
         with pytest.raises(ValueError):
             conf.EngineConfig(seed=bad_seed)
     assert conf.EngineConfig().seed == 0 and conf.EngineConfig(seed=3).seed == 3
+
+
+@pytest.mark.parametrize("engine_module", [jengine, tengine], ids=["jax", "torch"])
+def test_eos_ids_fall_back_from_the_override_to_generation_config_to_config(engine_module, tmp_path):
+    import json
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": 7}))
+    assert engine_module.eos_token_ids(tmp_path) == (7,)  # no generation_config.json: config.json's
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 4]}))
+    assert engine_module.eos_token_ids(tmp_path) == (3, 4)
+    assert engine_module.eos_token_ids(tmp_path, {"eos_token_id": 9}) == (9,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert engine_module.eos_token_ids(tmp_path) == ()  # none anywhere: nothing stops at eos

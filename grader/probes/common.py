@@ -175,6 +175,9 @@ def _compile_seconds(clock, keys) -> dict | None:
     return out
 
 
+CANDIDATE_PACKAGES = ("jax_oracles", "serving_engine", "conversion")
+
+
 def _start_coverage():
     """Branch coverage of the candidate's packages while the probes run (grader.coverage reads it)."""
     import coverage

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -80,10 +79,6 @@ class Gemma4TextConfig:
         kw["layer_types"] = tuple(kw["layer_types"])
         kw["per_layer_config"] = {str(k): dict(v) for k, v in kw.get("per_layer_config", {}).items()}
         return cls(**kw)
-
-    @classmethod
-    def from_pretrained(cls, path) -> "Gemma4TextConfig":
-        return cls.from_hf(json.loads((Path(path) / "config.json").read_text()))
 
     # ---- derived per-layer values --------------------------------------------------------
     def layer_head_dim(self, i: int) -> int:
@@ -166,15 +161,13 @@ def causal_mask(attention_mask, sliding_window: int | None = None):
     return allowed[None] & attention_mask.astype(jnp.bool_)[:, None, :]
 
 
-def eager_attention(q, k, v, mask, scale: float, softcap: float | None = None):
+def eager_attention(q, k, v, mask, scale: float):
     """q f32[B,T,N,hd], k/v f32[B,S,K,hd], mask bool[B,T,S] -> f32[B,T,N,hd].
     GQA: query head n reads KV head n // (N/K) (transformers' repeat_kv)."""
     B, T, N, hd = q.shape
     K = k.shape[2]
     qg = q.reshape(B, T, K, N // K, hd)
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k) * scale
-    if softcap is not None:
-        scores = softcap * jnp.tanh(scores / softcap)
     # finfo.min rather than -inf: a fully masked (padding) row stays finite, as in transformers.
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(scores.dtype).min)
     probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)

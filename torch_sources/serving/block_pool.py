@@ -96,14 +96,11 @@ class BlockPool:
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes],
                           num_cached_blocks: int, num_full_blocks: int) -> None:
         """Cache blocks[num_cached_blocks:num_full_blocks] of one request under block_hashes[i]."""
-        if not self.enable_caching:
-            return
         if num_full_blocks > len(block_hashes):
             raise ValueError(f"{num_full_blocks} full blocks but only {len(block_hashes)} hashes")
         for i in range(num_cached_blocks, num_full_blocks):
+            # blocks[:num_cached_blocks] hold the prefix hits and what earlier steps cached; the rest are fresh
             block = blocks[i]
-            if block.block_hash is not None:  # a prefix-cache hit is already cached
-                continue
             block.block_hash = block_hashes[i]
             self.cached_blocks.setdefault(block.block_hash, {})[block.block_id] = block
 

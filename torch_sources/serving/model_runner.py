@@ -37,7 +37,7 @@ class ModelRunner:
     def __init__(self, model_dir, engine_config: EngineConfig):
         self.engine_config = engine_config
         self.family = models.family(model_dir)
-        self.model_config, self.model = self.family.load_model(model_dir)
+        self.model_config, self.model = models.load_model(model_dir)
         self.vocab_size = self.model_config.vocab_size
         self.kv_cache = allocate_kv_cache(self.model_config, engine_config)
         self.sampler = Sampler()
