@@ -85,3 +85,14 @@ def test_exclusions_need_a_reason_and_a_real_block(tmp_path):
         gcov.analyze({}, ("serving_engine",), missing)
     shipped = gcov.load_exclusions()  # the repo's own list parses, every entry reasoned
     assert all(e["reason"] for kind in shipped.values() for e in kind)
+
+
+def test_a_graded_run_under_coverage_reports_the_candidates_executed_lines(tmp_path):
+    from grader.app import ROOT, grade
+    from recorder.app import compose_task
+    report = grade(compose_task("llama3-sft"), ROOT, ROOT / "references", tmp_path, quiet=True, levels=("L1",),
+                   only_checks=("rms_norm",), coverage=True)
+    assert report["reward"] > 0 and all(c["reason"] is None for c in report["checks"]), report["checks"]
+    executed = report["coverage"]["jax_oracles/models/llama3.py"]
+    assert executed["lines"] and executed["arcs"]
+    assert not any(path.startswith(("grader/", "tests/")) for path in report["coverage"])
