@@ -49,8 +49,9 @@ def merge(into: dict, part: dict | None) -> dict:
 
 
 def load_exclusions(path: Path = EXCLUSIONS) -> dict[str, list[dict]]:
-    """{"patterns": [{regex, reason}], "blocks": [{file, block, reason}]}. A pattern excludes every line it
-    matches (coverage.py's exclude regex: a matched `def` or `if` takes its body along); a block is the start
+    """{"patterns": [{regex, reason[, which]}], "blocks": [{file, block, reason}]}. A pattern excludes every line
+    it matches (coverage.py's exclude regex: a matched `def` or `if` takes its body along), or with
+    `which: partial` only the branches a matched line does not take (coverage.py's partial regex); a block is the start
     of the first line of one statement in one file, excluded with its whole body. Each needs its reason."""
     raw = (yaml.safe_load(path.read_text()) if path.is_file() else None) or {}
     out = {"patterns": list(raw.get("patterns") or []), "blocks": list(raw.get("blocks") or [])}
@@ -95,7 +96,7 @@ def analyze(executed: dict, roots, exclusions: dict | None = None, families=None
     with tempfile.TemporaryDirectory(prefix="t2j-cov-") as tmp:
         cov = coverage.Coverage(branch=True, data_file=None, config_file=False)
         for p in exclusions["patterns"]:
-            cov.exclude(p["regex"])
+            cov.exclude(p["regex"], which=p.get("which", "exclude"))
         data = cov.get_data()
         data.add_arcs({str(ROOT / rel): sorted(e["arcs"]) for rel, e in executed.items() if rel in files})
         report = Path(tmp) / "r.json"
@@ -111,7 +112,8 @@ def analyze(executed: dict, roots, exclusions: dict | None = None, families=None
         blocks = [e["block"] for e in exclusions["blocks"] if e["file"] == rel]
         skip = _excluded_lines((ROOT / rel).read_text(), blocks, rel) if blocks else set()
         missing_lines = [n for n in entry["missing_lines"] if n not in skip]
-        missing_branches = [b for b in entry["missing_branches"] if b[0] not in skip]
+        # a jump into an excluded block is part of that block's exclusion
+        missing_branches = [b for b in entry["missing_branches"] if b[0] not in skip and b[1] not in skip]
         s = entry["summary"]
         out[rel] = {"statements": s["num_statements"], "branches": s.get("num_branches", 0),
                     "missing_lines": missing_lines, "missing_branches": missing_branches,

@@ -7,6 +7,9 @@ that check's failure, never the run's.
 from __future__ import annotations
 
 import importlib
+import json
+import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -95,8 +98,9 @@ def probe_rms_norm(ctx, inp):
 def probe_rope(ctx, inp):
     inv = ctx.family.rope_inv_freq(ctx.config)
     cos, sin = ctx.family.rope_cos_sin(inv, jnp.asarray(inp["position_ids"]))
+    unscaled = ctx.family.rope_inv_freq(ctx.cls("Config").from_hf(json.loads(str(inp["unscaled_config"]))))
     return {"inv_freq": n(inv), "cos": n(cos), "sin": n(sin),
-            "x_rot": n(ctx.family.apply_rope(jnp.asarray(inp["x"]), cos, sin))}
+            "x_rot": n(ctx.family.apply_rope(jnp.asarray(inp["x"]), cos, sin)), "inv_freq_unscaled": n(unscaled)}
 
 
 def probe_mlp(ctx, inp):
@@ -114,13 +118,23 @@ def probe_attention_core(ctx, inp):
 
 def probe_lora_linear(ctx, inp):
     lora = importlib.import_module("jax_oracles.training.lora")
-    y = lora.lora_linear(jnp.asarray(inp["x"]), jnp.asarray(inp["weight"]), None, jnp.asarray(inp["lora_A"]),
-                         jnp.asarray(inp["lora_B"]), float(inp["scaling"]))
-    return {"y": n(y)}
+    x, w, bias, a, b = (jnp.asarray(inp[k]) for k in ("x", "weight", "bias", "lora_A", "lora_B"))
+    scaling = float(inp["scaling"])
+    layer = lora.LoraLinear(w.shape[0], use_bias=True, scaling=scaling)
+    y_layer = layer.apply({"params": {"kernel": w.T, "bias": bias}, "lora": {"lora_A": a.T, "lora_B": b.T}}, x)
+    return {"y": n(lora.lora_linear(x, w, None, a, b, scaling)), "y_bias": n(lora.lora_linear(x, w, bias, a, b, scaling)),
+            "y_layer": n(y_layer)}
 
 
-def _processed(ctx):
-    return ctx.sft.load_processed_dataset(ctx.assets["tokenizer"], ctx.assets["data"], "train", ctx.args)
+# LF's data options the task leaves off, graded on the same rows: the labelled prompts, and the last
+# turn labelled alone and given the cutoff budget first
+DATA_VARIANTS = {"train_on_prompt": {"train_on_prompt": True}, "mask_history": {"mask_history": True}}
+
+
+def _processed(ctx, **options):
+    from dataclasses import replace
+    return ctx.sft.load_processed_dataset(ctx.assets["tokenizer"], ctx.assets["data"], "train",
+                                          replace(ctx.args, **options))
 
 
 def _pad_rows(rows, width, fill=-1):
@@ -130,14 +144,21 @@ def _pad_rows(rows, width, fill=-1):
     return out
 
 
+def _data_field(ctx, field, fill):
+    """{"<field>": rows of the task's options, "<field>.<variant>": rows of each DATA_VARIANTS entry}."""
+    out = {}
+    for suffix, options in {"": {}, **{f".{k}": v for k, v in DATA_VARIANTS.items()}}.items():
+        out[field + suffix] = _pad_rows([ex[field] for ex in _processed(ctx, **options)], ctx.args.cutoff_len + 1,
+                                        fill)
+    return out
+
+
 def probe_data_tokens(ctx, inp):
-    rows = [ex["input_ids"] for ex in _processed(ctx)]
-    return {"input_ids": _pad_rows(rows, ctx.args.cutoff_len + 1), "n": np.array(len(rows))}
+    return {**_data_field(ctx, "input_ids", -1), "n": np.array(len(_processed(ctx)))}
 
 
 def probe_data_labels(ctx, inp):
-    rows = [ex["labels"] for ex in _processed(ctx)]
-    return {"labels": _pad_rows(rows, ctx.args.cutoff_len + 1, fill=-7)}
+    return _data_field(ctx, "labels", -7)
 
 
 def probe_collate(ctx, inp):
@@ -163,12 +184,34 @@ def probe_logits(ctx, inp):
     return {"logits": n(logits)}
 
 
+def tied_checkpoint(ckpt, out: Path) -> Path:
+    """`ckpt` as a tied release stores it (Llama 3.2 1B/3B): tie_word_embeddings set, no lm_head.weight,
+    so the embedding doubles as the output head."""
+    from safetensors.numpy import load_file, save_file
+
+    config = json.loads((Path(ckpt) / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    state = load_file(str(Path(ckpt) / "model.safetensors"))
+    save_file({k: v for k, v in state.items() if k != "lm_head.weight"}, str(out / "model.safetensors"))
+    return out
+
+
+def probe_logits_unmasked(ctx, inp):
+    """One unpadded row, no attention mask (the forward's default), through the checkpoint and its tied twin."""
+    ids = jnp.asarray(inp["input_ids"])
+    with tempfile.TemporaryDirectory() as tmp:
+        tied = tied_checkpoint(ctx.assets["checkpoint"], Path(tmp))
+        tied_params, tied_config = ctx.conversion.load_params(tied), ctx.cls("Config").from_pretrained(tied)
+    logits = ctx.cls("ForCausalLM")(ctx.config).apply({"params": ctx.params}, ids)
+    return {"logits": n(logits), "logits_tied": n(ctx.cls("ForCausalLM")(tied_config).apply({"params": tied_params}, ids))}
+
+
 PROBES = {
     "layout": probe_layout, "param_tree": probe_param_tree, "lora_trainable": probe_lora_trainable,
     "rms_norm": probe_rms_norm, "rope": probe_rope, "mlp": probe_mlp, "attention_core": probe_attention_core,
     "lora_linear": probe_lora_linear, "data_tokens": probe_data_tokens, "data_labels": probe_data_labels,
     "collate": probe_collate, "decoder_layer": probe_decoder_layer,
-    "logits_b1_t7": probe_logits, "logits_b2_t16_pad": probe_logits, "logits_b3_t33_pad": probe_logits,
+    "logits_b1_t7": probe_logits_unmasked, "logits_b2_t16_pad": probe_logits, "logits_b3_t33_pad": probe_logits,
     "next_token_dist": probe_logits,
 }
 

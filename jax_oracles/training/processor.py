@@ -29,12 +29,11 @@ def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple[int
 
 
 def preprocess_supervised_example(encoded_pairs: list[tuple[list[int], list[int]]], cutoff_len: int,
-                                  train_on_prompt: bool = False, mask_history: bool = False,
-                                  efficient_eos: bool = False, eos_token_id: int | None = None,
-                                  ) -> tuple[list[int], list[int]]:
+                                  train_on_prompt: bool = False,
+                                  mask_history: bool = False) -> tuple[list[int], list[int]]:
     """SupervisedDatasetProcessor._encode_data_example on template.encode_multiturn's pairs."""
     input_ids, labels = [], []
-    total_length = 1 if efficient_eos else 0
+    total_length = 0
     if mask_history:
         encoded_pairs = encoded_pairs[::-1]  # the last turns get the budget first
     for turn_idx, (source_ids, target_ids) in enumerate(encoded_pairs):
@@ -45,8 +44,6 @@ def preprocess_supervised_example(encoded_pairs: list[tuple[list[int], list[int]
         total_length += source_len + target_len
         if train_on_prompt:
             source_label = source_ids
-        elif efficient_eos and turn_idx != 0:  # the eos closing the previous turn sits in this source
-            source_label = [eos_token_id] + [IGNORE_INDEX] * (source_len - 1)
         else:
             source_label = [IGNORE_INDEX] * source_len
         if mask_history and turn_idx != 0:  # train on the last turn only
@@ -59,9 +56,6 @@ def preprocess_supervised_example(encoded_pairs: list[tuple[list[int], list[int]
         else:
             input_ids += source_ids + target_ids
             labels += source_label + target_label
-    if efficient_eos:
-        input_ids += [eos_token_id]
-        labels += [eos_token_id]
     return input_ids, labels
 
 
@@ -75,6 +69,6 @@ def preprocess_supervised_dataset(examples: list[dict], tokenizer, template, cut
             continue
         pairs = template.encode_multiturn(tokenizer, messages, example.get("system") or None)
         input_ids, labels = preprocess_supervised_example(
-            pairs, cutoff_len, train_on_prompt, mask_history, template.efficient_eos, tokenizer.eos_token_id)
+            pairs, cutoff_len, train_on_prompt, mask_history)
         features.append({"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels})
     return features

@@ -101,6 +101,16 @@ def probe_rms_norm(ctx):
     return {"x": x, "weight": w}, {"y": n(ctx.family.rms_norm(t(x), t(w), ctx.config.rms_norm_eps))}
 
 
+def unscaled_config_json(ckpt) -> str:
+    """The checkpoint's config.json as transformers>=5 writes an unscaled one (rope_parameters with the
+    default rope, a single eos id): the config parsing and inverse frequencies the checkpoint never takes."""
+    d = json.loads((Path(ckpt) / "config.json").read_text())
+    d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta")}
+    d.pop("rope_scaling", None)
+    d["eos_token_id"] = int(np.ravel(d["eos_token_id"])[0])
+    return json.dumps(d)
+
+
 def probe_rope(ctx):
     r = rng_for("rope")
     hd = ctx.config.head_dim
@@ -108,8 +118,11 @@ def probe_rope(ctx):
     x = r.standard_normal((2, 9, ctx.config.num_attention_heads, hd), np.float32)
     inv = ctx.family.rope_inv_freq(ctx.config)
     cos, sin = ctx.family.rope_cos_sin(inv, t(pos))
-    return {"position_ids": pos, "x": x}, {"inv_freq": n(inv), "cos": n(cos), "sin": n(sin),
-                                           "x_rot": n(ctx.family.apply_rope(t(x), cos, sin))}
+    config = unscaled_config_json(ctx.ckpt)
+    unscaled = ctx.family.rope_inv_freq(ctx.cls("Config").from_hf(json.loads(config)))
+    return {"position_ids": pos, "x": x, "unscaled_config": np.array(config)}, {
+        "inv_freq": n(inv), "cos": n(cos), "sin": n(sin), "x_rot": n(ctx.family.apply_rope(t(x), cos, sin)),
+        "inv_freq_unscaled": n(unscaled)}
 
 
 def probe_mlp(ctx):
@@ -134,13 +147,27 @@ def probe_lora_linear(ctx):
     w = r.standard_normal((32, 64), np.float32) * 0.1
     a = r.standard_normal((8, 64), np.float32) * 0.1
     b = r.standard_normal((32, 8), np.float32) * 0.1
+    bias = r.standard_normal(32, np.float32) * 0.1
     y = lora.lora_linear(t(x), t(w), None, t(a), t(b), 2.0)
-    return {"x": x, "weight": w, "lora_A": a, "lora_B": b, "scaling": np.float32(2.0)}, {"y": n(y)}
+    # the biased projection (attention_bias/mlp_bias configs) as the function and as the wrapped layer
+    base = torch.nn.Linear(64, 32, bias=True)
+    layer = lora.LoraLinear(base, r=8, lora_alpha=16)
+    with torch.no_grad():
+        for param, value in ((base.weight, w), (base.bias, bias), (layer.lora_A.weight, a), (layer.lora_B.weight, b)):
+            param.copy_(t(value))
+    return ({"x": x, "weight": w, "bias": bias, "lora_A": a, "lora_B": b, "scaling": np.float32(2.0)},
+            {"y": n(y), "y_bias": n(lora.lora_linear(t(x), t(w), t(bias), t(a), t(b), 2.0)), "y_layer": n(layer(t(x)))})
 
 
-def _processed(ctx):
+# LF's data options the task leaves off, graded on the same rows: the labelled prompts, and the last
+# turn labelled alone and given the cutoff budget first
+DATA_VARIANTS = {"train_on_prompt": {"train_on_prompt": True}, "mask_history": {"mask_history": True}}
+
+
+def _processed(ctx, **options):
+    from dataclasses import replace
     return ctx.sft.load_processed_dataset(ROOT / ctx.cfg.family.tokenizer, ROOT / ctx.cfg.data.dir,
-                                          "train", ctx.args)
+                                          "train", replace(ctx.args, **options))
 
 
 def _pad_rows(rows, width, fill=-1):
@@ -150,14 +177,21 @@ def _pad_rows(rows, width, fill=-1):
     return out
 
 
+def _data_field(ctx, field, fill):
+    """{"<field>": rows of the task's options, "<field>.<variant>": rows of each DATA_VARIANTS entry}."""
+    out = {}
+    for suffix, options in {"": {}, **{f".{k}": v for k, v in DATA_VARIANTS.items()}}.items():
+        out[field + suffix] = _pad_rows([ex[field] for ex in _processed(ctx, **options)], ctx.args.cutoff_len + 1,
+                                        fill)
+    return out
+
+
 def probe_data_tokens(ctx):
-    rows = [ex["input_ids"] for ex in _processed(ctx)]
-    return {}, {"input_ids": _pad_rows(rows, ctx.args.cutoff_len + 1), "n": np.array(len(rows))}
+    return {}, {**_data_field(ctx, "input_ids", -1), "n": np.array(len(_processed(ctx)))}
 
 
 def probe_data_labels(ctx):
-    rows = [ex["labels"] for ex in _processed(ctx)]
-    return {}, {"labels": _pad_rows(rows, ctx.args.cutoff_len + 1, fill=-7)}
+    return {}, _data_field(ctx, "labels", -7)
 
 
 def probe_collate(ctx):
@@ -178,7 +212,7 @@ def probe_decoder_layer(ctx):
     return {"hidden": hidden, "attention_mask": am, "position_ids": pos}, {"out": n(out)}
 
 
-LOGIT_SHAPES = {"logits_b1_t7": (1, 7, [7]), "logits_b2_t16_pad": (2, 16, [16, 11]),
+LOGIT_SHAPES = {"logits_b2_t16_pad": (2, 16, [16, 11]),
                 "logits_b3_t33_pad": (3, 33, [33, 20, 5])}
 
 
@@ -196,6 +230,28 @@ def _logits_probe(name):
     return probe
 
 
+def tied_checkpoint(ckpt, out: Path) -> Path:
+    """`ckpt` as a tied release stores it (Llama 3.2 1B/3B): tie_word_embeddings set, no lm_head.weight,
+    so the embedding doubles as the output head."""
+    from safetensors.numpy import load_file, save_file
+
+    config = json.loads((Path(ckpt) / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    state = load_file(str(Path(ckpt) / "model.safetensors"))
+    save_file({k: v for k, v in state.items() if k != "lm_head.weight"}, str(out / "model.safetensors"))
+    return out
+
+
+def probe_logits_unmasked(ctx):
+    """One unpadded row, no attention mask (the forward's default), through the checkpoint and its tied twin."""
+    import tempfile
+
+    ids = rng_for("logits_b1_t7").integers(0, ctx.config.vocab_size, (1, 7)).astype(np.int32)
+    with tempfile.TemporaryDirectory() as tmp:
+        tied = getattr(ctx.family, f"{ctx.prefix}ForCausalLM").from_pretrained(tied_checkpoint(ctx.ckpt, Path(tmp)))
+    return {"input_ids": ids}, {"logits": n(ctx.model(t(ids).long())), "logits_tied": n(tied(t(ids).long()))}
+
+
 def probe_next_token_dist(ctx):
     ids, am = _logits_case(ctx, "logits_b3_t33_pad")
     return {"input_ids": ids, "attention_mask": am}, {"logits": n(ctx.model(t(ids).long(), t(am)))}
@@ -206,7 +262,8 @@ PROBES = {
     "rms_norm": probe_rms_norm, "rope": probe_rope, "mlp": probe_mlp, "attention_core": probe_attention_core,
     "lora_linear": probe_lora_linear, "data_tokens": probe_data_tokens, "data_labels": probe_data_labels,
     "collate": probe_collate, "decoder_layer": probe_decoder_layer,
-    **{name: _logits_probe(name) for name in LOGIT_SHAPES}, "next_token_dist": probe_next_token_dist,
+    "logits_b1_t7": probe_logits_unmasked, **{name: _logits_probe(name) for name in LOGIT_SHAPES},
+    "next_token_dist": probe_next_token_dist,
 }
 
 

@@ -60,6 +60,8 @@ class TrainArgs:
     lora_rank: int = 8
     lora_alpha: int = 16
     lora_dropout: float = 0.0
+    train_on_prompt: bool = False  # LF: label the prompts too
+    mask_history: bool = False  # LF: label the last turn only, and give it the cutoff budget first
 
     def __post_init__(self):
         if self.lr_scheduler_type not in LR_MULTIPLIERS:
@@ -88,7 +90,8 @@ def load_processed_dataset(tokenizer_dir, data_dir, split: str, args: TrainArgs)
     """data_dir/{split}.json (alpaca rows) through the template and the supervised processor."""
     template, tokenizer = _fixed_tokenizer(tokenizer_dir, args)
     rows = json.loads((Path(data_dir) / f"{split}.json").read_text())
-    return preprocess_supervised_dataset(rows, tokenizer, template, args.cutoff_len)
+    return preprocess_supervised_dataset(rows, tokenizer, template, args.cutoff_len, args.train_on_prompt,
+                                         args.mask_history)
 
 
 def make_collator(args: TrainArgs, tokenizer_dir=None, pad_to_length: int | None = None) -> SFTDataCollator:

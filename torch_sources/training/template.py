@@ -74,7 +74,6 @@ class Llama3Template:
     format_system: str = "<|start_header_id|>system<|end_header_id|>\n\n{{content}}<|eot_id|>"
     default_system: str = ""
     stop_words: tuple[str, ...] = ("<|eot_id|>", "<|eom_id|>")
-    efficient_eos: bool = False  # the assistant slot carries its own eos (<|eot_id|>)
     replace_eos: bool = True
 
     def fix_special_tokens(self, tokenizer: ChatTokenizer) -> ChatTokenizer:
