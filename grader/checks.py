@@ -51,8 +51,10 @@ TRAINING_CHECKS = (
     _c("L3", "next_token_dist", "numeric", "distributional", "next-token distributions of the padded batch"),
     _c("L4", "loss_step0", "numeric", "scalar", "SFT loss of the first accumulation step, LoRA init"),
     _c("L4", "lora_grads_step0", "numeric", "tensor", "LoRA gradients of the first accumulation step"),
-    _c("L4", "fixed_steps_loss", "behavioral", "scalar", "losses of k optimizer steps on fixed batches"),
-    _c("L4", "fixed_steps_params", "behavioral", "tensor", "LoRA params after k optimizer steps"),
+    _c("L4", "fixed_steps_loss", "behavioral", "scalar",
+       "losses of k optimizer steps on fixed batches, under the task's optimizer args and with weight decay 1.0, lr 2e-2 on "
+       "the linear schedule"),
+    _c("L4", "fixed_steps_params", "behavioral", "tensor", "LoRA params after those k optimizer steps, both runs"),
     _c("L5", "e2e_step_losses", "behavioral", "scalar", "per-step training losses of the candidate's own entry point"),
     _c("L5", "e2e_adapter", "behavioral", "tensor", "trained adapter after the end-to-end run"),
     _c("L5", "e2e_eval_loss", "behavioral", "scalar",

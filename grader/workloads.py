@@ -1,4 +1,5 @@
-"""Serving workloads that the recorder (torch engine) and the grader (a candidate's engine) drive the same way.
+"""Workloads that the recorder (torch side) and the grader (a candidate) drive the same way: serving drivers,
+the training L4 optimizer variant, the tied twin of a checkpoint.
 
 The recorder plans a workload and records the plan as the check's inputs; both sides then build their own
 SamplingParams and step their own engine with these functions, so the two runs differ only in the engine.
@@ -7,17 +8,36 @@ Plain Python and numpy: the engine's classes come in as arguments.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
 __all__ = ["SAMPLED", "FINISH_CODES", "TOP_LOGPROBS", "sampled_params", "branch_params", "stop_params", "run_stop_workload",
-           "pad_rows", "unpad_rows", "dense_logprobs", "prompt_logprob_arrays"]
+           "pad_rows", "unpad_rows", "dense_logprobs", "prompt_logprob_arrays", "run_long_decode", "long_decode_config",
+           "FIXED_STEPS_VARIANT", "FIXED_STEPS_OPTIONS", "DATA_VARIANTS", "data_fields", "tied_checkpoint"]
 
 # The L5 sampled workload: every optional stage of the sampler at once.
 SAMPLED = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.1)
 # finish_reason of a RequestOutput as an int (0: never finished, which a complete run does not leave).
 FINISH_CODES = {None: 0, "stop": 1, "length": 2, "abort": 3}
 TOP_LOGPROBS = 5  # L6 heldout_logprobs: prompt_logprobs=5, as vLLM's parity tests ask for top-5
+# Training L4 fixed_steps also runs under these optimizer options: the task's weight decay is 0.0 and its
+# schedule cosine, so a decay left at torch.optim.AdamW's 0.01, or a broken linear schedule, would hide there.
+# Decay and rate large enough that 0.01 instead of 1.0 shrinks lora_A by ~3% in the 1.5 effective steps
+# (the first of three is warmup at lr 0): the tensor measure's sqrt(norm ratio) then falls below 0.999.
+FIXED_STEPS_VARIANT = "decayed_linear"
+FIXED_STEPS_OPTIONS = {"weight_decay": 1.0, "learning_rate": 2.0e-2, "lr_scheduler_type": "linear"}
+# LF's data options the task leaves off, graded on the same rows by the L1 data checks: the labelled prompts,
+# and the last turn labelled alone and given the cutoff budget first
+DATA_VARIANTS = {"train_on_prompt": {"train_on_prompt": True}, "mask_history": {"mask_history": True}}
+
+
+def data_fields(processed, field: str, width: int, fill: int) -> dict[str, np.ndarray]:
+    """{"<field>": rows under the task's options, "<field>.<variant>": rows under each DATA_VARIANTS entry},
+    padded to width. processed(**options) -> the processed examples (each side's own pipeline)."""
+    variants = {"": {}, **{f".{k}": v for k, v in DATA_VARIANTS.items()}}
+    return {field + suffix: pad_rows([list(ex[field])[:width] for ex in processed(**options)], width, fill)
+            for suffix, options in variants.items()}
 
 
 def pad_rows(rows, width: int | None = None, fill: int = -1) -> np.ndarray:
@@ -90,6 +110,13 @@ def run_stop_workload(engine, prompts: Sequence[Sequence[int]], params: Sequence
             "free_blocks_after": np.array(engine.stats()["num_free_blocks"], np.int64)}
 
 
+def long_decode_config(engine_config):
+    """The mode's engine with prefix caching on (vLLM v1's default), so requests served one after another can
+    hit the blocks earlier ones cached: in every mode, whatever the mode's own default."""
+    from dataclasses import replace
+    return replace(engine_config, enable_prefix_caching=True)
+
+
 def run_long_decode(engine, prompts: Sequence[Sequence[int]], SamplingParams, max_model_len: int) -> dict:
     """Requests served one after another on one engine (an online client waiting for each answer), each
     decoding greedily to max_model_len: -> {"output_ids": i64[N, longest] padded with -1, "finish_reason"}.
@@ -119,3 +146,17 @@ def prompt_logprob_arrays(output, top: int) -> tuple[np.ndarray, np.ndarray]:
     chosen = np.array([e[t].logprob for e, t in zip(entries, output.prompt_token_ids[1:])], np.float32)
     best = np.array([sorted((lp.logprob for lp in e.values()), reverse=True)[:top] for e in entries], np.float32)
     return chosen, best
+
+
+def tied_checkpoint(ckpt, out) -> Path:
+    """`ckpt` as a tied release stores it (Llama 3.2 1B/3B): tie_word_embeddings set, no lm_head.weight,
+    so the embedding doubles as the output head."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    config = json.loads((Path(ckpt) / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    state = load_file(str(Path(ckpt) / "model.safetensors"))
+    save_file({k: v for k, v in state.items() if k != "lm_head.weight"}, str(out / "model.safetensors"))
+    return Path(out)

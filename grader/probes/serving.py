@@ -16,7 +16,7 @@ from grader.layout import layout_arrays
 from grader.probes.common import n, run_probes
 from grader.trace import pressure_config, trace_arrays
 from grader.workloads import (TOP_LOGPROBS, branch_params, dense_logprobs, prompt_logprob_arrays,
-                              pad_rows, run_long_decode, run_stop_workload, sampled_params, stop_params, unpad_rows)
+                              pad_rows, long_decode_config, run_long_decode, run_stop_workload, sampled_params, stop_params, unpad_rows)
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -265,7 +265,7 @@ def probe_sampling_branches(ctx, inp):
 
 
 def probe_long_decode(ctx, inp):
-    engine = sv("engine").LLMEngine(ctx.ckpt, ctx.engine_config)
+    engine = sv("engine").LLMEngine(ctx.ckpt, long_decode_config(ctx.engine_config))
     return run_long_decode(engine, unpad_rows(inp["prompts"]), sv("config").SamplingParams,
                            ctx.engine_config.max_model_len)
 

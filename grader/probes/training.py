@@ -17,6 +17,7 @@ import numpy as np
 
 from grader.layout import layout_arrays
 from grader.probes.common import run_probes
+from grader.workloads import FIXED_STEPS_OPTIONS, FIXED_STEPS_VARIANT, data_fields, tied_checkpoint
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -126,39 +127,19 @@ def probe_lora_linear(ctx, inp):
             "y_layer": n(y_layer)}
 
 
-# LF's data options the task leaves off, graded on the same rows: the labelled prompts, and the last
-# turn labelled alone and given the cutoff budget first
-DATA_VARIANTS = {"train_on_prompt": {"train_on_prompt": True}, "mask_history": {"mask_history": True}}
-
-
 def _processed(ctx, **options):
     from dataclasses import replace
     return ctx.sft.load_processed_dataset(ctx.assets["tokenizer"], ctx.assets["data"], "train",
                                           replace(ctx.args, **options))
 
 
-def _pad_rows(rows, width, fill=-1):
-    out = np.full((len(rows), width), fill, np.int64)
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = list(row)[:width]
-    return out
-
-
-def _data_field(ctx, field, fill):
-    """{"<field>": rows of the task's options, "<field>.<variant>": rows of each DATA_VARIANTS entry}."""
-    out = {}
-    for suffix, options in {"": {}, **{f".{k}": v for k, v in DATA_VARIANTS.items()}}.items():
-        out[field + suffix] = _pad_rows([ex[field] for ex in _processed(ctx, **options)], ctx.args.cutoff_len + 1,
-                                        fill)
-    return out
-
-
 def probe_data_tokens(ctx, inp):
-    return {**_data_field(ctx, "input_ids", -1), "n": np.array(len(_processed(ctx)))}
+    fields = data_fields(lambda **o: _processed(ctx, **o), "input_ids", ctx.args.cutoff_len + 1, -1)
+    return {**fields, "n": np.array(len(_processed(ctx)))}
 
 
 def probe_data_labels(ctx, inp):
-    return _data_field(ctx, "labels", -7)
+    return data_fields(lambda **o: _processed(ctx, **o), "labels", ctx.args.cutoff_len + 1, -7)
 
 
 def probe_collate(ctx, inp):
@@ -182,18 +163,6 @@ def probe_logits(ctx, inp):
     logits = jax.jit(model.apply)({"params": ctx.params}, jnp.asarray(inp["input_ids"]),
                                   jnp.asarray(inp["attention_mask"]))
     return {"logits": n(logits)}
-
-
-def tied_checkpoint(ckpt, out: Path) -> Path:
-    """`ckpt` as a tied release stores it (Llama 3.2 1B/3B): tie_word_embeddings set, no lm_head.weight,
-    so the embedding doubles as the output head."""
-    from safetensors.numpy import load_file, save_file
-
-    config = json.loads((Path(ckpt) / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
-    state = load_file(str(Path(ckpt) / "model.safetensors"))
-    save_file({k: v for k, v in state.items() if k != "lm_head.weight"}, str(out / "model.safetensors"))
-    return out
 
 
 def probe_logits_unmasked(ctx, inp):
@@ -246,18 +215,24 @@ def probe_lora_grads_step0(ctx, inp):
 
 
 def _fixed(ctx, inp):
+    """(losses, final adapter) of the task's optimizer args and of FIXED_STEPS_OPTIONS, keys prefixed as recorded."""
     if getattr(ctx, "fixed", None) is None:
-        ctx.fixed = ctx.sft.train_steps(ctx.assets["checkpoint"], _lora_from_inputs(inp), _unflatten_steps(inp),
-                                        ctx.args)
+        from dataclasses import replace
+        init, steps = _lora_from_inputs(inp), _unflatten_steps(inp)
+        runs = {name: ctx.sft.train_steps(ctx.assets["checkpoint"], init, steps, replace(ctx.args, **options))
+                for name, options in {"": {}, f"{FIXED_STEPS_VARIANT}.": FIXED_STEPS_OPTIONS}.items()}
+        ctx.fixed = ({f"{name}losses": np.asarray(losses, np.float32) for name, (losses, _) in runs.items()},
+                     {f"{name}{k}": np.asarray(v, np.float32) for name, (_, final) in runs.items()
+                      for k, v in final.items()})
     return ctx.fixed
 
 
 def probe_fixed_steps_loss(ctx, inp):
-    return {"losses": np.asarray(_fixed(ctx, inp)[0], np.float32)}
+    return _fixed(ctx, inp)[0]
 
 
 def probe_fixed_steps_params(ctx, inp):
-    return {k: np.asarray(v, np.float32) for k, v in _fixed(ctx, inp)[1].items()}
+    return _fixed(ctx, inp)[1]
 
 
 def _e2e(ctx):

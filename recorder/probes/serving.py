@@ -14,7 +14,7 @@ import torch
 from grader.layout import layout_arrays
 from grader.trace import pressure_config, trace_arrays
 from grader.workloads import (FINISH_CODES, TOP_LOGPROBS, branch_params, dense_logprobs, prompt_logprob_arrays,
-                              pad_rows, run_long_decode, run_stop_workload, sampled_params, stop_params)
+                              pad_rows, long_decode_config, run_long_decode, run_stop_workload, sampled_params, stop_params)
 from recorder.probes.training import ROOT, checkpoint_layout, n, public_names, rng_for, t
 
 SERVING_MODULES = ("serving/config.py", "serving/request.py", "serving/block_pool.py",
@@ -410,12 +410,17 @@ LONG_DECODE_REQUESTS = 24
 
 
 def probe_long_decode(ctx):
-    """Short prompts sharing their first block, served one by one, each to max_model_len (ignore_eos)."""
+    """Short prompts sharing their first block, served one by one, each to max_model_len (ignore_eos). The
+    first also holds a second full block, with which the second prompt starts: by then the first has finished
+    and its blocks sit cached, and only a hash chained to the parent's keeps the second from taking KV
+    computed at other positions (in every mode, batched or not)."""
     r, bs = rng_for(f"{ctx.cfg.task_name}/long_decode"), ctx.engine_config.block_size
-    head = [int(x) for x in r.integers(3, ctx.vocab, bs)]
+    head, middle = ([int(x) for x in r.integers(3, ctx.vocab, bs)] for _ in range(2))
     prompts = [head + [int(x) for x in r.integers(3, ctx.vocab, int(r.integers(2, 2 * bs + 1)))]
                for _ in range(LONG_DECODE_REQUESTS)]
-    engine = sv("engine").LLMEngine(ctx.ckpt, ctx.engine_config)
+    prompts[0] = head + middle + prompts[0][bs:]
+    prompts[1] = middle + prompts[1][bs:]
+    engine = sv("engine").LLMEngine(ctx.ckpt, long_decode_config(ctx.engine_config))
     out = run_long_decode(engine, prompts, sv("config").SamplingParams, ctx.engine_config.max_model_len)
     if (out["finish_reason"] != FINISH_CODES["length"]).any():
         raise ValueError(f"the long decode of {ctx.cfg.task_name} did not run every request to max_model_len")

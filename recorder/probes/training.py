@@ -6,6 +6,8 @@ this file is grader/probes/training.py, which gets only the inputs.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import ast
 import hashlib
 import importlib
@@ -19,6 +21,7 @@ import torch
 from grader.checks import checks_for
 from grader.h5schema import CheckRecord
 from grader.layout import layout_arrays
+from grader.workloads import FIXED_STEPS_OPTIONS, FIXED_STEPS_VARIANT, data_fields, tied_checkpoint
 from recorder.provenance import ROOT
 
 # modules whose public names a candidate must mirror (relative to torch_sources/ and jax_oracles/)
@@ -159,39 +162,19 @@ def probe_lora_linear(ctx):
             {"y": n(y), "y_bias": n(lora.lora_linear(t(x), t(w), t(bias), t(a), t(b), 2.0)), "y_layer": n(layer(t(x)))})
 
 
-# LF's data options the task leaves off, graded on the same rows: the labelled prompts, and the last
-# turn labelled alone and given the cutoff budget first
-DATA_VARIANTS = {"train_on_prompt": {"train_on_prompt": True}, "mask_history": {"mask_history": True}}
-
-
 def _processed(ctx, **options):
     from dataclasses import replace
     return ctx.sft.load_processed_dataset(ROOT / ctx.cfg.family.tokenizer, ROOT / ctx.cfg.data.dir,
                                           "train", replace(ctx.args, **options))
 
 
-def _pad_rows(rows, width, fill=-1):
-    out = np.full((len(rows), width), fill, np.int64)
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = row[:width]
-    return out
-
-
-def _data_field(ctx, field, fill):
-    """{"<field>": rows of the task's options, "<field>.<variant>": rows of each DATA_VARIANTS entry}."""
-    out = {}
-    for suffix, options in {"": {}, **{f".{k}": v for k, v in DATA_VARIANTS.items()}}.items():
-        out[field + suffix] = _pad_rows([ex[field] for ex in _processed(ctx, **options)], ctx.args.cutoff_len + 1,
-                                        fill)
-    return out
-
-
 def probe_data_tokens(ctx):
-    return {}, {**_data_field(ctx, "input_ids", -1), "n": np.array(len(_processed(ctx)))}
+    fields = data_fields(lambda **o: _processed(ctx, **o), "input_ids", ctx.args.cutoff_len + 1, -1)
+    return {}, {**fields, "n": np.array(len(_processed(ctx)))}
 
 
 def probe_data_labels(ctx):
-    return {}, _data_field(ctx, "labels", -7)
+    return {}, data_fields(lambda **o: _processed(ctx, **o), "labels", ctx.args.cutoff_len + 1, -7)
 
 
 def probe_collate(ctx):
@@ -228,18 +211,6 @@ def _logits_probe(name):
         ids, am = _logits_case(ctx, name)
         return {"input_ids": ids, "attention_mask": am}, {"logits": n(ctx.model(t(ids).long(), t(am)))}
     return probe
-
-
-def tied_checkpoint(ckpt, out: Path) -> Path:
-    """`ckpt` as a tied release stores it (Llama 3.2 1B/3B): tie_word_embeddings set, no lm_head.weight,
-    so the embedding doubles as the output head."""
-    from safetensors.numpy import load_file, save_file
-
-    config = json.loads((Path(ckpt) / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
-    state = load_file(str(Path(ckpt) / "model.safetensors"))
-    save_file({k: v for k, v in state.items() if k != "lm_head.weight"}, str(out / "model.safetensors"))
-    return out
 
 
 def probe_logits_unmasked(ctx):
@@ -305,17 +276,23 @@ def probe_lora_grads_step0(ctx):
 
 
 def probe_fixed_steps(ctx):
+    """k steps under the task's optimizer args, and again under FIXED_STEPS_VARIANT (grader/probes/training.py):
+    weight decay on (the task's is 0.0, so a decay left at torch's default would hide) and the linear schedule."""
     steps = _step_batches(ctx, int(ctx.cfg.method.fixed_steps))
     init = _lora_init(ctx)
-    losses, final = ctx.sft.train_steps(ctx.ckpt, init, [[{k: torch.from_numpy(v) for k, v in mb.items()}
-                                                          for mb in step] for step in steps], ctx.args)
-    ctx.fixed = (np.asarray(losses, np.float32), {k: np.asarray(v, np.float32) for k, v in final.items()})
+    if getattr(ctx, "fixed", None) is None:
+        batches = [[{k: torch.from_numpy(v) for k, v in mb.items()} for mb in step] for step in steps]
+        runs = {name: ctx.sft.train_steps(ctx.ckpt, init, batches, replace(ctx.args, **options))
+                for name, options in {"": {}, f"{FIXED_STEPS_VARIANT}.": FIXED_STEPS_OPTIONS}.items()}
+        ctx.fixed = ({f"{name}losses": np.asarray(losses, np.float32) for name, (losses, _) in runs.items()},
+                     {f"{name}{k}": np.asarray(v, np.float32) for name, (_, final) in runs.items()
+                      for k, v in final.items()})
     return {**_flatten_steps(steps), **{f"lora.{k}": v for k, v in init.items()}}, ctx.fixed
 
 
 def probe_fixed_steps_loss(ctx):
     inputs, (losses, _) = probe_fixed_steps(ctx)
-    return inputs, {"losses": losses}
+    return inputs, losses
 
 
 def probe_fixed_steps_params(ctx):
