@@ -189,19 +189,26 @@ def read_outputs(path, expected_keys) -> tuple[dict[str, dict[str, np.ndarray]],
     return groups, errors, seconds
 
 
-def read_compile_seconds(path, expected_keys) -> dict[str, float]:
-    """Grader side: the child's compile seconds per check ({} when it wrote none), validated."""
+def _json_member(path, name: str, limit: int):
+    """The parsed JSON of one optional member of the child's zip (None when absent), as untrusted data."""
     data = _read_file(path)
     try:
         z = zipfile.ZipFile(io.BytesIO(data))
-        info = next((i for i in z.infolist() if i.filename == COMPILE), None)
+        info = next((i for i in z.infolist() if i.filename == name), None)
         if info is None:
-            return {}
-        if info.file_size > MAX_META_BYTES:
-            raise UntrustedOutput(f"{COMPILE} is over {MAX_META_BYTES} bytes")
-        raw = json.loads(z.read(info).decode("utf-8"), parse_constant=lambda c: float("nan"))
+            return None
+        if info.file_size > limit:
+            raise UntrustedOutput(f"{name} is over {limit} bytes")
+        return json.loads(z.read(info).decode("utf-8"), parse_constant=lambda c: float("nan"))
     except (zipfile.BadZipFile, EOFError, OSError, zlib.error, UnicodeDecodeError, ValueError) as e:
-        raise UntrustedOutput(f"{COMPILE} is unreadable ({e})") from None
+        raise UntrustedOutput(f"{name} is unreadable ({e})") from None
+
+
+def read_compile_seconds(path, expected_keys) -> dict[str, float]:
+    """Grader side: the child's compile seconds per check ({} when it wrote none), validated."""
+    raw = _json_member(path, COMPILE, MAX_META_BYTES)
+    if raw is None:
+        return {}
     if not isinstance(raw, dict) or not set(raw) <= set(expected_keys) or not all(
             isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
             for v in raw.values()):
@@ -212,17 +219,9 @@ def read_compile_seconds(path, expected_keys) -> dict[str, float]:
 def read_coverage(path) -> dict[str, dict[str, list]]:
     """Grader side: the child's coverage member ({} when it wrote none), validated as untrusted data:
     paths of candidate sources only, lines as ints, arcs as int pairs."""
-    data = _read_file(path)
-    try:
-        z = zipfile.ZipFile(io.BytesIO(data))
-        info = next((i for i in z.infolist() if i.filename == COVERAGE), None)
-        if info is None:
-            return {}
-        if info.file_size > MAX_COVERAGE_BYTES:
-            raise UntrustedOutput(f"{COVERAGE} is over {MAX_COVERAGE_BYTES} bytes")
-        raw = json.loads(z.read(info).decode("utf-8"))
-    except (zipfile.BadZipFile, EOFError, OSError, zlib.error, UnicodeDecodeError, ValueError) as e:
-        raise UntrustedOutput(f"{COVERAGE} is unreadable ({e})") from None
+    raw = _json_member(path, COVERAGE, MAX_COVERAGE_BYTES)
+    if raw is None:
+        return {}
 
     def ints(xs, arity):
         ok = isinstance(xs, list) and all(
