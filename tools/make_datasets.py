@@ -26,12 +26,16 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["TASKS", "SYSTEM_SENTENCES", "make_example", "make_split", "add_system_prompts", "make_sft", "main"]
+__all__ = ["TASKS", "SYSTEM_SENTENCES", "MISTAKES", "make_example", "make_split", "add_system_prompts", "make_sft",
+           "make_preference_example", "make_dpo", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "assets" / "data" / "sft"
 SEED = 0
 NUM_TRAIN, NUM_EVAL = 96, 24
+DPO_DIR = ROOT / "assets" / "data" / "dpo"
+DPO_SEED = SEED + 2  # its own stream: the SFT files stay byte-identical
+NUM_DPO_TRAIN, NUM_DPO_EVAL = 64, 24
 MULTI_TURN_FRACTION = 0.125  # 1 row in 8 carries one earlier (user, assistant) turn
 SYSTEM_FRACTION = 0.25  # of the single-turn rows; every multi-turn row gets a system prompt
 MAX_SYSTEM_SENTENCES = 3  # 3 sentences (~60 tokens) alone fill most of cutoff_len
@@ -99,6 +103,35 @@ def make_example(rng: np.random.Generator) -> dict:
     return row
 
 
+def _wrong_count(rng, inp, out):
+    right = NUMBER_WORDS.index(out.split()[2])
+    wrong = [w for i, w in enumerate(NUMBER_WORDS) if i not in (0, right)]
+    return f"There are {wrong[int(rng.integers(len(wrong)))]} words."
+
+
+def _wrong_count_to(rng, inp, out):
+    n = len(out.split())
+    return " ".join(str(i) for i in range(1, n + (1 if rng.random() < 0.5 else 0) + (0 if n > 2 else 1)))
+
+
+# The typical wrong answer of each task (DPO's rejected response): the input copied back, the wrong end,
+# a miscount. A LoRA can learn to prefer the transform, so DPO measurably raises held-out accuracy.
+MISTAKES = {
+    "Reverse the words.": lambda rng, inp, out: inp,
+    "Sort the letters.": lambda rng, inp, out: inp if inp != out else out[::-1],
+    "Uppercase the words.": lambda rng, inp, out: inp,
+    "Count the words.": _wrong_count,
+    "Repeat the first word.": lambda rng, inp, out: inp.split()[-1],
+}
+
+
+def make_preference_example(rng: np.random.Generator) -> dict:
+    """One alpaca preference row: the transform's answer is chosen, its typical mistake rejected."""
+    instruction, inp, output = TASKS[int(rng.integers(len(TASKS)))](rng)
+    mistake = MISTAKES.get(instruction, _wrong_count_to)
+    return {"instruction": instruction, "input": inp, "chosen": output, "rejected": mistake(rng, inp, output)}
+
+
 def make_split(rng: np.random.Generator, n: int, exclude: set[str] = frozenset()) -> list[dict]:
     """n distinct rows not in exclude (keys are the row's canonical json)."""
     rows, seen = [], set(exclude)
@@ -136,6 +169,21 @@ def make_sft(seed: int = SEED) -> tuple[list[dict], list[dict]]:
     return train, held_out
 
 
+def make_dpo(seed: int = DPO_SEED) -> tuple[list[dict], list[dict]]:
+    """Distinct preference rows, train then eval; a quarter carry a system prompt (some rows get cut)."""
+    rng, rows, seen = np.random.default_rng(seed), [], set()
+    while len(rows) < NUM_DPO_TRAIN + NUM_DPO_EVAL:
+        row = make_preference_example(rng)
+        key = json.dumps({k: row[k] for k in ("instruction", "input")}, sort_keys=True)
+        if key not in seen and row["chosen"] != row["rejected"]:
+            seen.add(key)
+            rows.append(row)
+    for row in rows:
+        if rng.random() < SYSTEM_FRACTION:
+            row["system"] = _system_prompt(rng, int(rng.integers(1, MAX_SYSTEM_SENTENCES + 1)))
+    return rows[:NUM_DPO_TRAIN], rows[NUM_DPO_TRAIN:]
+
+
 def write_rows(path: Path, rows: list[dict]) -> None:
     path.write_text(json.dumps(rows, indent=2, ensure_ascii=False) + "\n")
 
@@ -146,8 +194,13 @@ def main(argv: list[str] | None = None) -> None:
     train, held_out = make_sft()
     write_rows(OUT_DIR / "train.json", train)
     write_rows(OUT_DIR / "eval.json", held_out)
-    print(f"wrote {(OUT_DIR / 'train.json').relative_to(ROOT)} ({len(train)} rows), "
-          f"{(OUT_DIR / 'eval.json').relative_to(ROOT)} ({len(held_out)} rows)")
+    DPO_DIR.mkdir(parents=True, exist_ok=True)
+    pairs, held_out_pairs = make_dpo()
+    write_rows(DPO_DIR / "train.json", pairs)
+    write_rows(DPO_DIR / "eval.json", held_out_pairs)
+    for d, a, b in ((OUT_DIR, train, held_out), (DPO_DIR, pairs, held_out_pairs)):
+        print(f"wrote {(d / 'train.json').relative_to(ROOT)} ({len(a)} rows), "
+              f"{(d / 'eval.json').relative_to(ROOT)} ({len(b)} rows)")
 
 
 if __name__ == "__main__":

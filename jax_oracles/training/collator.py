@@ -1,4 +1,5 @@
-"""SFT collator, numpy twin of torch_sources/training/collator.py (int32 arrays instead of tensors).
+"""SFT and pairwise collators, numpy twins of torch_sources/training/collator.py (int32 arrays instead of
+tensors). The pairwise one puts every chosen row first, then every rejected row, padded together.
 
 HF DataCollatorForSeq2Seq with right padding to the longest row rounded up to a multiple of 8;
 `pad_to_length` pads every batch to one fixed length instead, so a jitted step sees one shape.
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["SFTDataCollator", "pad_features"]
+__all__ = ["SFTDataCollator", "PairwiseDataCollator", "pad_features"]
 
 
 def pad_features(features: list[dict], length: int, pad_token_id: int, label_pad_token_id: int) -> dict[str, np.ndarray]:
@@ -38,3 +39,12 @@ class SFTDataCollator:
         if self.pad_to_length is None and self.pad_to_multiple_of:
             length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
         return pad_features(features, length, self.pad_token_id, self.label_pad_token_id)
+
+
+@dataclass(frozen=True)
+class PairwiseDataCollator(SFTDataCollator):
+    def __call__(self, features: list[dict]) -> dict[str, np.ndarray]:
+        """[dict(chosen_*, rejected_*)] of N pairs -> dict of int32 arrays [2N, T]: rows 0..N-1 chosen."""
+        rows = [{field: f[f"{key}_{field}"] for field in ("input_ids", "attention_mask", "labels")}
+                for key in ("chosen", "rejected") for f in features]
+        return super().__call__(rows)

@@ -21,7 +21,7 @@ import numpy as np
 from flax import traverse_util
 
 __all__ = ["PEFT_PREFIX", "TARGET_ORDER", "LoraConfig", "lora_linear", "lora_target_specs", "init_lora_weights",
-           "LoraLinear", "inject_lora", "load_lora_state_dict", "lora_state_dict", "init_lora_tree",
+           "LoraLinear", "inject_lora", "disable_adapter", "load_lora_state_dict", "lora_state_dict", "init_lora_tree",
            "lora_tree_from_state_dict"]
 
 PEFT_PREFIX = "base_model.model."
@@ -101,6 +101,14 @@ def inject_lora(params: dict, config: LoraConfig, seed: int) -> tuple[dict, list
     params need no freezing: only the "lora" collection is ever differentiated."""
     weights = init_lora_weights(lora_target_specs(params, config), seed, config.r)
     return lora_tree_from_state_dict(weights), list(weights)
+
+
+def disable_adapter(variables: dict) -> dict:
+    """Functional twin of PeftModel.disable_adapter(): the variables without the "lora" collection, so
+    every LoraLinear is its base layer (DPO/PPO's reference policy)."""
+    if "lora" not in variables:
+        raise ValueError("the variables hold no LoRA adapters to disable")
+    return {k: v for k, v in variables.items() if k != "lora"}
 
 
 def load_lora_state_dict(lora_tree: dict, state_dict: dict) -> dict:

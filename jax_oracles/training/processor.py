@@ -1,16 +1,22 @@
-"""LLaMA-Factory's supervised (SFT) dataset processor (`data/processor/supervised.py`), plain Python.
+"""LLaMA-Factory's supervised (SFT) and pairwise (DPO) dataset processors (`data/processor/supervised.py`,
+`pairwise.py`), plain Python.
 
 input_ids = <bos> X1 Y1 X2 Y2 ...; labels = -100 over every prompt X_i, the ids over every
 response Y_i (each assistant turn is trained; Y_i ends with <|eot_id|>). Turns are cut to
 cutoff_len with `infer_seqlen`, in order, until the budget is used up. No packing (LF packs
 only for stage pt). The JAX side keeps its own copy of torch_sources/training/processor.py.
+
+Pairwise: the prompt (every message but the response, system turn included) is encoded once and
+each response on its own (`encode_oneturn`); `infer_seqlen` runs on the prompt and the longer
+response, so both responses are cut to the same length; labels are -100 over the prompt.
 """
 
 from __future__ import annotations
 
 from .template import alpaca_to_messages
 
-__all__ = ["IGNORE_INDEX", "infer_seqlen", "preprocess_supervised_example", "preprocess_supervised_dataset"]
+__all__ = ["IGNORE_INDEX", "infer_seqlen", "preprocess_supervised_example", "preprocess_supervised_dataset",
+           "preprocess_pairwise_example", "preprocess_pairwise_dataset"]
 
 IGNORE_INDEX = -100
 
@@ -71,4 +77,32 @@ def preprocess_supervised_dataset(examples: list[dict], tokenizer, template, cut
         input_ids, labels = preprocess_supervised_example(
             pairs, cutoff_len, train_on_prompt, mask_history)
         features.append({"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels})
+    return features
+
+
+def preprocess_pairwise_example(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: list[int],
+                                cutoff_len: int) -> dict[str, list[int]]:
+    """PairwiseDatasetProcessor._encode_data_example: the response is more important than the prompt."""
+    source_len, target_len = infer_seqlen(len(prompt_ids), max(len(chosen_ids), len(rejected_ids)), cutoff_len)
+    prompt_ids = prompt_ids[:source_len]
+    out = {}
+    for key, response in (("chosen", chosen_ids[:target_len]), ("rejected", rejected_ids[:target_len])):
+        out[f"{key}_input_ids"] = prompt_ids + response
+        out[f"{key}_attention_mask"] = [1] * (source_len + len(response))
+        out[f"{key}_labels"] = [IGNORE_INDEX] * source_len + response
+    return out
+
+
+def preprocess_pairwise_dataset(examples: list[dict], tokenizer, template, cutoff_len: int) -> list[dict]:
+    """Alpaca preference rows (instruction, input, chosen, rejected[, history, system]) ->
+    [dict(chosen_input_ids, chosen_attention_mask, chosen_labels, rejected_*)] (unpadded lists)."""
+    features = []
+    for example in examples:
+        prompt = alpaca_to_messages({**example, "output": ""})[:-1]
+        if len(prompt) % 2 != 1 or not example.get("chosen") or not example.get("rejected"):
+            continue  # LF drops rows without (odd prompt, two responses)
+        system = example.get("system") or None
+        encoded = [template.encode_oneturn(tokenizer, prompt + [{"role": "assistant", "content": example[key]}],
+                                           system) for key in ("chosen", "rejected")]
+        features.append(preprocess_pairwise_example(encoded[0][0], encoded[0][1], encoded[1][1], cutoff_len))
     return features

@@ -1,4 +1,5 @@
-"""SFT collator: LLaMA-Factory's SFTDataCollatorWith4DAttentionMask for plain text, no packing.
+"""SFT and pairwise collators: LLaMA-Factory's SFTDataCollatorWith4DAttentionMask for plain text, no packing,
+and its PairwiseDataCollatorWithPadding (every chosen row, then every rejected row, padded together).
 
 It is HF DataCollatorForSeq2Seq with the tokenizer's right padding: every row is padded to
 the longest row, rounded up to a multiple of 8 (LF passes pad_to_multiple_of=8 when
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["SFTDataCollator", "pad_features"]
+__all__ = ["SFTDataCollator", "PairwiseDataCollator", "pad_features"]
 
 
 def pad_features(features: list[dict], length: int, pad_token_id: int, label_pad_token_id: int) -> dict[str, np.ndarray]:
@@ -41,3 +42,12 @@ class SFTDataCollator:
             length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
         batch = pad_features(features, length, self.pad_token_id, self.label_pad_token_id)
         return {key: torch.from_numpy(value) for key, value in batch.items()}
+
+
+@dataclass(frozen=True)
+class PairwiseDataCollator(SFTDataCollator):
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        """[dict(chosen_*, rejected_*)] of N pairs -> dict of int64 tensors [2N, T]: rows 0..N-1 chosen."""
+        rows = [{field: f[f"{key}_{field}"] for field in ("input_ids", "attention_mask", "labels")}
+                for key in ("chosen", "rejected") for f in features]
+        return super().__call__(rows)

@@ -10,6 +10,7 @@ init is drawn from one numpy generator in canonical order, so the JAX twin gets 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["PEFT_PREFIX", "TARGET_ORDER", "LoraConfig", "lora_linear", "lora_target_specs", "init_lora_weights",
-           "LoraLinear", "inject_lora", "load_lora_state_dict", "lora_state_dict"]
+           "LoraLinear", "inject_lora", "disable_adapter", "load_lora_state_dict", "lora_state_dict"]
 
 PEFT_PREFIX = "base_model.model."
 # Canonical order within a decoder layer (HF registration order): attention, then MLP.
@@ -76,8 +77,11 @@ class LoraLinear(nn.Module):
         self.lora_A = nn.Linear(base_layer.in_features, r, bias=False)
         self.lora_B = nn.Linear(r, base_layer.out_features, bias=False)
         self.scaling = lora_alpha / r
+        self.disable_adapters = False  # PEFT's flag, set by disable_adapter()
 
     def forward(self, x):  # f32[..., in] -> f32[..., out]
+        if self.disable_adapters:
+            return self.base_layer(x)
         return self.base_layer(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
 
@@ -93,6 +97,21 @@ def inject_lora(model: nn.Module, config: LoraConfig, seed: int) -> list[str]:
     weights = init_lora_weights(specs, seed, config.r)
     load_lora_state_dict(model, weights)
     return list(weights)
+
+
+@contextmanager
+def disable_adapter(model: nn.Module):
+    """PeftModel.disable_adapter(): inside, every LoraLinear is its base layer (DPO/PPO's reference policy)."""
+    layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    if not layers:
+        raise ValueError("the model has no LoRA adapters to disable")
+    for m in layers:
+        m.disable_adapters = True
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.disable_adapters = False
 
 
 def load_lora_state_dict(model: nn.Module, state_dict: dict) -> None:
