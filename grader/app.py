@@ -82,20 +82,25 @@ def _score_check(spec, rec, produced: dict | None, error: str | None, band, seco
 
 
 def _score_heldout(spec, rec, produced: dict | None, error: str | None, band, seconds: float) -> tuple[Check, dict]:
-    """Training L6: the banded score of the grader's own eval_loss on the candidate's logits (never a
-    number the candidate reports); -> (check, what the report shows of it)."""
+    """Training L6: the banded score of what the grader itself computes from the candidate's logits
+    (heldout.SCORERS: never a number the candidate reports), the mean over its metrics, each banded by the
+    check's `band_<metric>` attribute (the loss falls back to /L6/band); -> (check, what the report shows)."""
     kw = dict(level=spec.level, name=spec.name, aspect=spec.aspect, measure=spec.measure, seconds=seconds,
               bar=strict_bar(spec.aspect, rec.attrs.get("noise")))
     if error is not None or produced is None:
         return Check(**kw, score=0.0, reason=error or "no output"), {}
     try:
-        loss, shapes = heldout.heldout_loss(rec.inputs, produced)
+        values, shapes = heldout.SCORERS[spec.key](rec.inputs, produced)
     except heldout.HeldoutError as e:
         return Check(**kw, score=0.0, reason=str(e)), {}
-    lo, hi = float(band[0]), float(band[1])
-    detail = {"grader_loss": loss, "reference_loss": float(rec.outputs["loss"]), "band": [lo, hi],
-              "logits_shapes": [list(x) for x in shapes]}
-    return Check(**kw, score=measure_score("banded", loss, (lo, hi))), detail
+    detail, scores = {"logits_shapes": [list(x) for x in shapes]}, []
+    for metric, value in values.items():
+        lo, hi = (float(x) for x in rec.attrs.get(f"band_{metric}", band))
+        detail.update({f"grader_{metric}": value, f"reference_{metric}": float(rec.outputs[metric]),
+                       f"band_{metric}": [lo, hi]})
+        scores.append(measure_score("banded", value, (lo, hi)))
+    detail["band"] = detail["band_loss"]
+    return Check(**kw, score=float(np.mean(scores))), detail
 
 
 def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: BudgetPolicy | None = None,
@@ -120,7 +125,7 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
     """
     if not trusted:
         sandbox.ensure_sandbox()  # refuse up front, never fall back silently
-    from recorder.app import task_class  # torch-free modules (config + hashes only)
+    from recorder.app import task_class, task_method  # torch-free modules (config + hashes only)
     from recorder.provenance import stale_reasons
 
     task = cfg.task_name
@@ -128,7 +133,7 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
     stale = stale_reasons(references / f"{task}.h5", cfg)
     if stale and not quiet:
         console.print(f"[yellow]warning: reference is stale[/] ({'; '.join(stale)})")
-    spec_checks, checks = checks_for(task_class(cfg))
+    spec_checks, checks = checks_for(task_class(cfg), task_method(cfg))
     all_specs = spec_checks + checks
     results: list[Check] = []
     series: dict[str, dict] = {}  # small 1-D outputs (loss trajectories), candidate beside reference, for plots
@@ -150,7 +155,7 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
                 and (only_checks is None or s.name in only_checks)]
     # training L6 runs on the adapter the candidate's L5 child produced: that check runs whenever L6 does
     # (scored only when selected), and its outputs become L6 inputs, read as untrusted as any output
-    wants_adapter = any(s.key == heldout.HELDOUT_KEY for s in selected) and heldout.ADAPTER_KEY in ref.checks
+    wants_adapter = any(s.key in heldout.SCORERS for s in selected) and heldout.ADAPTER_KEY in ref.checks
     adapter, adapter_error = None, f"{heldout.ADAPTER_KEY} did not run"
     details = {}
     executed = {} if coverage else None
@@ -160,16 +165,15 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
                        and s.level in group and s not in specs]
         inputs = {s.key: ref.checks[s.key].inputs for s in run}
         early = {}  # check key -> reason it scores 0 without running
-        if heldout.HELDOUT_KEY in inputs:
+        for key in sorted(heldout.SCORERS.keys() & inputs.keys()):
             try:
                 if adapter is None:
                     raise heldout.HeldoutError(f"no adapter from {heldout.ADAPTER_KEY}: {adapter_error}")
-                inputs[heldout.HELDOUT_KEY] = heldout.child_inputs(
-                    ref.checks[heldout.HELDOUT_KEY].inputs,
-                    heldout.adapter_inputs(ref.checks[heldout.ADAPTER_KEY].outputs, adapter))
+                inputs[key] = heldout.child_inputs(
+                    ref.checks[key].inputs, heldout.adapter_inputs(ref.checks[heldout.ADAPTER_KEY].outputs, adapter))
             except heldout.HeldoutError as e:
-                early[heldout.HELDOUT_KEY] = str(e)
-                run = [s for s in run if s.key != heldout.HELDOUT_KEY]
+                early[key] = str(e)
+                run = [s for s in run if s.key != key]
         if not run and not early:
             continue
         if group == ("L0",):
@@ -190,7 +194,7 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
         for s in specs:
             args = (s, ref.checks[s.key], produced.get(s.key), errors.get(s.key), ref.band,
                     float(seconds.get(s.key, 0.0)))
-            if s.key == heldout.HELDOUT_KEY:
+            if s.key in heldout.SCORERS:
                 check, details[s.key] = _score_heldout(*args)
             else:
                 series.update(_series(s.key, ref.checks[s.key].outputs, produced.get(s.key) or {}))
@@ -289,10 +293,13 @@ def _finish(task, candidate, results, ref, report_dir, stale, quiet, series, gat
             console.print(f"pressure run of the reference: {p['num_preemptions']} preemptions, "
                           f"{p['num_evictions']} evictions")
         for key, d in report["details"].items():
-            if d:
-                console.print(f"{key}: grader-computed eval loss {d['grader_loss']:.6f}, band [{d['band'][0]:.6f}, "
-                              f"{d['band'][1]:.6f}], torch seed run {d['reference_loss']:.6f}; logits "
-                              f"{len(d['logits_shapes'])} batches, first {d['logits_shapes'][0]}")
+            metrics = [k[len("grader_"):] for k in d if k.startswith("grader_")]
+            if metrics:
+                figures = "; ".join(f"{m} {d['grader_' + m]:.6f} (band [{d['band_' + m][0]:.6f}, "
+                                    f"{d['band_' + m][1]:.6f}], torch seed run {d['reference_' + m]:.6f})"
+                                    for m in metrics)
+                console.print(f"{key}: grader-computed {figures}; logits {len(d['logits_shapes'])} arrays, "
+                              f"first {d['logits_shapes'][0]}")
     return report
 
 

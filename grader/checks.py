@@ -1,4 +1,7 @@
-"""The catalog of checks per task class: level, aspect and measure of every check.
+"""The catalog of checks per task class and method: level, aspect and measure of every check.
+
+Data, not code paths: a check names the methods it applies to (`methods`, empty = every method of its
+class), so a new method adds entries here and probes beside them, never a branch in the grader.
 
 Shared by the recorder (which writes each check's inputs and reference outputs) and the grader
 (which hands the inputs to a candidate and scores its outputs with the check's measure).
@@ -15,14 +18,18 @@ class CheckSpec:
     aspect: str   # "spec" | "numeric" | "behavioral"
     measure: str  # grader.measures.MEASURES key ("pass" for spec checks)
     what: str
+    methods: tuple[str, ...] = ()  # training methods it applies to; () = all (and every serving check)
 
     @property
     def key(self) -> str:
         return f"{self.level}/{self.name}"
 
 
-def _c(level, name, aspect, measure, what):
-    return CheckSpec(level, name, aspect, measure, what)
+def _c(level, name, aspect, measure, what, methods=()):
+    return CheckSpec(level, name, aspect, measure, what, tuple(methods))
+
+
+SFT, DPO = ("sft",), ("dpo",)
 
 
 # Spec checks run in the grader only (nothing to record but the expected names and shapes).
@@ -34,34 +41,63 @@ TRAINING_SPEC = (
     _c("L0", "lora_trainable", "spec", "pass", "LoRA trainable set: same PEFT names and shapes, base frozen"),
 )
 
-TRAINING_CHECKS = (
+_TRAINING_CHECKS = (
     _c("L1", "rms_norm", "numeric", "tensor", "RMSNorm on random activations"),
     _c("L1", "rope", "numeric", "tensor", "llama3-scaled inverse frequencies, cos/sin and rotation"),
     _c("L1", "mlp", "numeric", "tensor", "SwiGLU MLP of layer 0"),
     _c("L1", "attention_core", "numeric", "tensor", "eager GQA attention with causal+padding mask"),
     _c("L1", "lora_linear", "numeric", "tensor", "LoRA linear y = xW^T + s (xA^T)B^T"),
-    _c("L1", "data_tokens", "numeric", "agreement", "template+processor token ids on the raw train set"),
-    _c("L1", "data_labels", "numeric", "agreement", "label masks (-100 on prompts) on the raw train set"),
-    _c("L1", "collate", "numeric", "agreement", "collator padding and attention mask of the first batch"),
+    _c("L1", "data_tokens", "numeric", "agreement", "template+processor token ids on the raw train set", SFT),
+    _c("L1", "data_labels", "numeric", "agreement", "label masks (-100 on prompts) on the raw train set", SFT),
+    _c("L1", "collate", "numeric", "agreement", "collator padding and attention mask of the first batch", SFT),
     _c("L2", "decoder_layer", "numeric", "tensor", "decoder layer 0 on random hidden states"),
     _c("L3", "logits_b1_t7", "numeric", "tensor",
        "full-model logits, batch 1 x 7, no attention mask, also through a tied-embedding copy of the checkpoint"),
     _c("L3", "logits_b2_t16_pad", "numeric", "tensor", "full-model logits, batch 2 x 16, right padding"),
     _c("L3", "logits_b3_t33_pad", "numeric", "tensor", "full-model logits, batch 3 x 33, ragged padding"),
     _c("L3", "next_token_dist", "numeric", "distributional", "next-token distributions of the padded batch"),
-    _c("L4", "loss_step0", "numeric", "scalar", "SFT loss of the first accumulation step, LoRA init"),
-    _c("L4", "lora_grads_step0", "numeric", "tensor", "LoRA gradients of the first accumulation step"),
+    _c("L4", "loss_step0", "numeric", "scalar", "SFT loss of the first accumulation step, LoRA init", SFT),
+    _c("L4", "lora_grads_step0", "numeric", "tensor", "LoRA gradients of the first accumulation step", SFT),
     _c("L4", "fixed_steps_loss", "behavioral", "scalar",
        "losses of k optimizer steps on fixed batches, under the task's optimizer args and with weight decay 1.0, lr 2e-2 on "
-       "the linear schedule"),
-    _c("L4", "fixed_steps_params", "behavioral", "tensor", "LoRA params after those k optimizer steps, both runs"),
-    _c("L5", "e2e_step_losses", "behavioral", "scalar", "per-step training losses of the candidate's own entry point"),
-    _c("L5", "e2e_adapter", "behavioral", "tensor", "trained adapter after the end-to-end run"),
+       "the linear schedule", SFT),
+    _c("L4", "fixed_steps_params", "behavioral", "tensor", "LoRA params after those k optimizer steps, both runs", SFT),
+    _c("L5", "e2e_step_losses", "behavioral", "scalar", "per-step training losses of the candidate's own entry point", SFT),
+    _c("L5", "e2e_adapter", "behavioral", "tensor",
+       "trained adapter after the end-to-end run (its outputs are the L6 child's adapter, every method)"),
     _c("L5", "e2e_eval_loss", "behavioral", "scalar",
-       "the candidate's own eval_loss before and after training (its Trainer.evaluate), not the L6 score"),
+       "the candidate's own eval_loss before and after training (its Trainer.evaluate), not the L6 score", SFT),
     _c("L6", "heldout_loss", "behavioral", "banded",
-       "held-out eval loss the grader computes from the candidate's logits with its L5 adapter, banded by seed spread"),
+       "held-out eval loss the grader computes from the candidate's logits with its L5 adapter, banded by seed spread", SFT),
+    _c("L1", "pairwise_tokens", "numeric", "agreement",
+       "pairwise processor token ids of chosen and rejected rows on the raw train set (prompt cut with infer_seqlen)", DPO),
+    _c("L1", "pairwise_labels", "numeric", "agreement", "pairwise label masks (-100 over the prompt), both responses", DPO),
+    _c("L1", "pairwise_collate", "numeric", "agreement",
+       "pairwise collator: every chosen row, then every rejected row, padded together", DPO),
+    _c("L3", "sequence_logps", "numeric", "tensor",
+       "per-sequence log-probs summed over response tokens, chosen and rejected, under the policy (a nonzero "
+       "adapter) and the reference (the adapter disabled)", DPO),
+    _c("L4", "dpo_loss_step0", "numeric", "scalar",
+       "DPO sigmoid loss of the first accumulation step, from an adapter whose policy differs from the reference", DPO),
+    _c("L4", "dpo_metrics_step0", "numeric", "scalar",
+       "LF's logged metrics of that step: rewards, accuracies, margins, log-probs, logits means", DPO),
+    _c("L4", "dpo_grads_step0", "numeric", "tensor", "LoRA gradients of that step", DPO),
+    _c("L4", "dpo_fixed_steps_loss", "behavioral", "scalar",
+       "DPO losses of k optimizer steps on fixed batches from the LoRA init, under the task's optimizer args and "
+       "with weight decay 1.0, lr 2e-2 on the linear schedule", DPO),
+    _c("L4", "dpo_fixed_steps_params", "behavioral", "tensor", "LoRA params after those k DPO steps, both runs", DPO),
+    _c("L5", "dpo_e2e_step_losses", "behavioral", "scalar",
+       "per-step DPO losses of the candidate's own train_dpo from the raw preference dataset", DPO),
+    _c("L5", "dpo_e2e_metrics", "behavioral", "scalar", "per-step logged metrics of that run", DPO),
+    _c("L5", "dpo_e2e_eval", "behavioral", "scalar",
+       "the candidate's own held-out loss and metrics before and after training, not the L6 score", DPO),
+    _c("L6", "heldout_preference", "behavioral", "banded",
+       "held-out preference loss and accuracy the grader computes from the candidate's policy and reference logits "
+       "with its L5 adapter, each banded by seed spread", DPO),
 )
+
+# in level order (stable: each method's checks keep their order within a level)
+TRAINING_CHECKS = tuple(sorted(_TRAINING_CHECKS, key=lambda s: s.level))
 
 SERVING_SPEC = (
     _c("L0", "torch_free", "spec", "pass", "no torch/transformers/torch_sources import, direct or indirect"),
@@ -118,8 +154,12 @@ SERVING_CHECKS = (
 CHECKS_BY_CLASS = {"training": (TRAINING_SPEC, TRAINING_CHECKS), "serving": (SERVING_SPEC, SERVING_CHECKS)}
 
 
-def checks_for(task_class: str) -> tuple[tuple[CheckSpec, ...], tuple[CheckSpec, ...]]:
+def checks_for(task_class: str, method: str | None = None) -> tuple[tuple[CheckSpec, ...], tuple[CheckSpec, ...]]:
+    """(spec checks, other checks) of a task class; for a training method, only the checks that apply to it."""
     try:
-        return CHECKS_BY_CLASS[task_class]
+        groups = CHECKS_BY_CLASS[task_class]
     except KeyError:
         raise ValueError(f"unknown task class {task_class!r}; known: {sorted(CHECKS_BY_CLASS)}") from None
+    if method is None:
+        return groups
+    return tuple(tuple(s for s in g if not s.methods or method in s.methods) for g in groups)

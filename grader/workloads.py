@@ -14,7 +14,8 @@ import numpy as np
 
 __all__ = ["SAMPLED", "FINISH_CODES", "TOP_LOGPROBS", "sampled_params", "branch_params", "stop_params", "run_stop_workload",
            "pad_rows", "unpad_rows", "dense_logprobs", "prompt_logprob_arrays", "run_long_decode", "long_decode_config",
-           "FIXED_STEPS_VARIANT", "FIXED_STEPS_OPTIONS", "DATA_VARIANTS", "data_fields", "tied_checkpoint"]
+           "FIXED_STEPS_VARIANT", "FIXED_STEPS_OPTIONS", "DATA_VARIANTS", "data_fields", "tied_checkpoint",
+           "TIE_METRICS", "rewarded_steps", "dpo_trajectory_outputs", "dpo_eval_outputs"]
 
 # The L5 sampled workload: every optional stage of the sampler at once.
 SAMPLED = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.1)
@@ -30,6 +31,39 @@ FIXED_STEPS_OPTIONS = {"weight_decay": 1.0, "learning_rate": 2.0e-2, "lr_schedul
 # LF's data options the task leaves off, graded on the same rows by the L1 data checks: the labelled prompts,
 # and the last turn labelled alone and given the cutoff budget first
 DATA_VARIANTS = {"train_on_prompt": {"train_on_prompt": True}, "mask_history": {"mask_history": True}}
+
+
+# DPO's logged accuracy is a step function of each pair's reward margin: where margins are near zero (the first
+# steps, and any pair the adapter barely separates) an fp32 rounding flips it, so L5 leaves it out; L4 grades it
+# at an adapter whose margins are clear, and L6 from the candidate's logits, banded.
+TIE_METRICS = ("rewards/accuracies",)
+
+
+def metric_key(name: str) -> str:
+    """A logged metric's name as an HDF5 dataset name ("rewards/chosen" -> "rewards.chosen")."""
+    return name.replace("/", ".")
+
+
+def rewarded_steps(step_metrics: dict) -> np.ndarray:
+    """Indices of the steps whose policy differs from the reference: while warmup holds the adapter at its
+    init (lora_B = 0) every reward is exactly 0 in torch, and a relative measure of ~1e-9 against 0 is 0."""
+    chosen, rejected = (np.asarray(step_metrics[k], np.float64) for k in ("rewards/chosen", "rewards/rejected"))
+    return np.flatnonzero((chosen != 0) | (rejected != 0)).astype(np.int64)
+
+
+def dpo_trajectory_outputs(step_metrics: dict, steps) -> dict[str, np.ndarray]:
+    """The graded per-step metrics of an end-to-end DPO run: the rewards at `steps` (rewarded_steps of the
+    reference run), log-probs and logits means at every step, no TIE_METRICS."""
+    steps = np.asarray(steps, np.int64)
+    return {metric_key(k): np.asarray(v, np.float32)[steps] if k.startswith("rewards/") else np.asarray(v, np.float32)
+            for k, v in step_metrics.items() if k not in TIE_METRICS}
+
+
+def dpo_eval_outputs(before: dict, after: dict) -> dict[str, np.ndarray]:
+    """The graded held-out metrics before and after training: before training the policy is the reference, so
+    its rewards are exactly 0 and leave; no TIE_METRICS."""
+    return {f"{when}.{metric_key(k)}": np.float32(v) for when, d in (("before", before), ("after", after))
+            for k, v in d.items() if k not in TIE_METRICS and not (when == "before" and k.startswith("rewards/"))}
 
 
 def data_fields(processed, field: str, width: int, fill: int) -> dict[str, np.ndarray]:

@@ -42,6 +42,11 @@ def task_class(cfg: DictConfig) -> str:
     return cfg.method.task_class if "method" in cfg else cfg.mode.task_class
 
 
+def task_method(cfg: DictConfig) -> str | None:
+    """The training method (sft, dpo, ...) that picks the task's checks; None for serving."""
+    return cfg.method.name if "method" in cfg else None
+
+
 def _package_versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
     for pkg in ("torch", "numpy", "safetensors", "tokenizers", "h5py", "hydra-core"):

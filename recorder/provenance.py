@@ -43,10 +43,12 @@ def task_source_files(cfg: DictConfig) -> list[Path]:
     files = [ROOT / "torch_sources/models" / Path(cfg.family.model_module).name,
              ROOT / "torch_sources/models/loading.py",
              ROOT / f"recorder/probes/{task_class}.py",
+             *sorted((ROOT / "recorder/probes").glob(f"{task_class}_*.py")),  # per-method probes
              ROOT / "recorder/probes/__init__.py",
              ROOT / "grader/checks.py",
              ROOT / "grader/layout.py",  # the recorder imports these grader modules to build its arrays
-             ROOT / "grader/heldout.py"]
+             ROOT / "grader/heldout.py",
+             ROOT / "grader/workloads.py"]  # workloads and check inputs both sides drive the same way
     if task_class == "training":
         files += sorted((ROOT / "torch_sources/training").glob("*.py"))
         files += sorted((ROOT / cfg.data.dir).glob("*"))
@@ -54,7 +56,7 @@ def task_source_files(cfg: DictConfig) -> list[Path]:
     else:
         files += sorted((ROOT / "torch_sources/serving").glob("*.py"))
         files += sorted((ROOT / "torch_sources/serving/models").glob("*.py"))
-        files += [ROOT / "grader/trace.py", ROOT / "grader/workloads.py"]
+        files += [ROOT / "grader/trace.py"]
     return [f for f in files if (f.name != "__init__.py" or f.parent.name == "probes") and f.is_file()]
 
 

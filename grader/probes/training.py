@@ -22,6 +22,10 @@ from grader.workloads import FIXED_STEPS_OPTIONS, FIXED_STEPS_VARIANT, data_fiel
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+# per method: its args class and end-to-end entry point in jax_oracles/training/<method>.py
+METHOD_ENTRIES = {"sft": ("TrainArgs", "train_sft"), "dpo": ("DPOArgs", "train_dpo")}
+
+
 class Ctx:
     def __init__(self, meta):
         self.meta = meta
@@ -29,6 +33,7 @@ class Ctx:
         fam = task["family"]
         self.assets = meta["assets"]
         self.train = task["method"]["train"]
+        self.method = task["method"]["name"]
         self.prefix = fam["model_prefix"]
         modname = fam["model_module"][:-3].replace("/", ".")
         self.family = importlib.import_module(f"jax_oracles.{modname}")
@@ -53,8 +58,23 @@ class Ctx:
         return importlib.import_module("jax_oracles.training.sft")
 
     @property
+    def workflow(self):
+        return importlib.import_module(f"jax_oracles.training.{self.method}")
+
+    @property
+    def lora(self):
+        return importlib.import_module("jax_oracles.training.lora")
+
+    @property
     def args(self):
-        return self.sft.TrainArgs(**self.train)
+        return getattr(self.workflow, METHOD_ENTRIES[self.method][0])(**self.train)
+
+    def run(self):
+        """The candidate's own entry point from the raw dataset (once for every L5 check)."""
+        if getattr(self, "result", None) is None:
+            entry = getattr(self.workflow, METHOD_ENTRIES[self.method][1])
+            self.result = entry(self.assets["checkpoint"], self.assets["tokenizer"], self.assets["data"], self.args)
+        return self.result
 
 
 def n(x):
@@ -236,11 +256,7 @@ def probe_fixed_steps_params(ctx, inp):
 
 
 def _e2e(ctx):
-    """The candidate's own entry point, from the raw dataset (run once for both L5 checks)."""
-    if getattr(ctx, "result", None) is None:
-        ctx.result = ctx.sft.train_sft(ctx.assets["checkpoint"], ctx.assets["tokenizer"], ctx.assets["data"],
-                                       ctx.args)
-    return ctx.result
+    return ctx.run()
 
 
 def probe_e2e_step_losses(ctx, inp):
@@ -282,4 +298,7 @@ PROBES.update({
 
 
 def main(inputs_path, outputs_path):
-    run_probes(inputs_path, outputs_path, Ctx, PROBES)
+    from grader.probes.training_dpo import PROBES as DPO_PROBES
+
+    # one table for every method: the names are distinct, and the child runs only the checks it is handed
+    run_probes(inputs_path, outputs_path, Ctx, {**PROBES, **DPO_PROBES})

@@ -24,9 +24,12 @@ from grader.layout import layout_arrays
 from grader.workloads import FIXED_STEPS_OPTIONS, FIXED_STEPS_VARIANT, data_fields, tied_checkpoint
 from recorder.provenance import ROOT
 
-# modules whose public names a candidate must mirror (relative to torch_sources/ and jax_oracles/)
+# modules whose public names a candidate must mirror (relative to torch_sources/ and jax_oracles/); the
+# method's workflow (training/<method>.py) is added per task
 TRAINING_MODULES = ("training/template.py", "training/processor.py", "training/collator.py",
                     "training/lora.py", "training/optimizer.py", "training/loss.py", "training/sft.py")
+# per method: its args class and end-to-end entry point in torch_sources/training/<method>.py
+METHOD_ENTRIES = {"sft": ("TrainArgs", "train_sft"), "dpo": ("DPOArgs", "train_dpo")}
 
 
 def rng_for(name: str) -> np.random.Generator:
@@ -42,7 +45,8 @@ def public_names(path: Path) -> list[str]:
 
 
 class Ctx:
-    """What the probes share: the config, the torch family module, the loaded model."""
+    """What the probes share: the config, the torch family module, the loaded model, the method's
+    workflow and args, and (lazily, once) the end-to-end run of the task's seed."""
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -51,11 +55,30 @@ class Ctx:
         self.ckpt = ROOT / cfg.family.checkpoint
         self.model = getattr(self.family, f"{self.prefix}ForCausalLM").from_pretrained(self.ckpt)
         self.config = self.model.config
+        self.method = cfg.method.name
+        if self.method not in METHOD_ENTRIES:
+            raise ValueError(f"unknown training method {self.method!r}; known: {sorted(METHOD_ENTRIES)}")
         self.sft = importlib.import_module("torch_sources.training.sft")
-        self.args = self.sft.TrainArgs(**dict(cfg.method.train))
+        self.lora = importlib.import_module("torch_sources.training.lora")
+        self.workflow = importlib.import_module(f"torch_sources.training.{self.method}")
+        args_cls, self.entry = METHOD_ENTRIES[self.method]
+        self.args = getattr(self.workflow, args_cls)(**dict(cfg.method.train))
+        self.result, self.band, self.l6_attrs = None, None, {}
 
     def cls(self, suffix):
         return getattr(self.family, f"{self.prefix}{suffix}")
+
+    def train(self, seed: int):
+        """The method's own entry point from the raw dataset, with the given seed."""
+        return getattr(self.workflow, self.entry)(self.ckpt, ROOT / self.cfg.family.tokenizer,
+                                                  ROOT / self.cfg.data.dir, replace(self.args, seed=seed))
+
+    def run(self):
+        """The end-to-end run of the task's seed (once; every L5/L6 probe reads it)."""
+        if self.result is None:
+            self.result = self.train(self.args.seed)
+            self.wall = self.result.wall_clock_s
+        return self.result
 
 
 def t(x):
@@ -69,7 +92,7 @@ def n(x):
 # ---- L0 spec -----------------------------------------------------------------------------------
 
 def probe_layout(ctx):
-    mods = [ctx.cfg.family.model_module, *TRAINING_MODULES]
+    mods = [ctx.cfg.family.model_module, *dict.fromkeys((*TRAINING_MODULES, f"training/{ctx.method}.py"))]
     names = [f"{m}:{name}" for m in mods for name in public_names(ROOT / "torch_sources" / m)]
     return {"names": np.array(names)}, {"missing": np.array(0)}
 
@@ -302,26 +325,18 @@ def probe_fixed_steps_params(ctx):
 
 # ---- L5 / L6 -----------------------------------------------------------------------------------
 
-def _train(ctx, seed):
-    from dataclasses import replace
-    return ctx.sft.train_sft(ctx.ckpt, ROOT / ctx.cfg.family.tokenizer, ROOT / ctx.cfg.data.dir,
-                             replace(ctx.args, seed=seed))
-
-
 def probe_e2e_step_losses(ctx):
-    ctx.result = _train(ctx, ctx.args.seed)
-    ctx.wall = ctx.result.wall_clock_s
-    return {"seed": np.int64(ctx.args.seed)}, {"step_losses": np.asarray(ctx.result.step_losses, np.float32)}
+    return {"seed": np.int64(ctx.args.seed)}, {"step_losses": np.asarray(ctx.run().step_losses, np.float32)}
 
 
 def probe_e2e_eval_loss(ctx):
-    return {"seed": np.int64(ctx.args.seed)}, {"before": np.float32(ctx.result.eval_loss_before),
-                                               "after": np.float32(ctx.result.eval_loss_after)}
+    return {"seed": np.int64(ctx.args.seed)}, {"before": np.float32(ctx.run().eval_loss_before),
+                                               "after": np.float32(ctx.run().eval_loss_after)}
 
 
 def probe_e2e_adapter(ctx):
     return {"seed": np.int64(ctx.args.seed)}, {k: np.asarray(v, np.float32)
-                                               for k, v in ctx.result.lora_state_dict.items()}
+                                               for k, v in ctx.run().lora_state_dict.items()}
 
 
 def _heldout_batches(ctx) -> list[dict[str, np.ndarray]]:
@@ -348,7 +363,7 @@ def probe_heldout_loss(ctx):
     is the spread of the seed-varied runs."""
     from grader.heldout import eval_loss
 
-    losses = [ctx.result.eval_loss_after if s == ctx.args.seed else _train(ctx, s).eval_loss_after
+    losses = [ctx.run().eval_loss_after if s == ctx.args.seed else ctx.train(s).eval_loss_after
               for s in ctx.cfg.method.band_seeds]
     ctx.band = (float(min(losses)), float(max(losses)))
     batches = _heldout_batches(ctx)
@@ -360,9 +375,10 @@ def probe_heldout_loss(ctx):
                            f"the source's evaluation {ctx.result.eval_loss_after!r}")
     inputs = {f"b{i}.{k}": v for i, b in enumerate(batches) for k, v in b.items()}
     inputs["eval_batch_size"] = np.int64(ctx.args.per_device_eval_batch_size)
-    return (inputs, {"loss": np.float32(ctx.result.eval_loss_after),
-                     "loss_before": np.float32(ctx.result.eval_loss_before),
-                     "band_losses": np.asarray(losses, np.float32)})
+    # the reference output is the source's held-out loss alone: the band travels in /L6/band
+    ctx.l6_attrs["heldout_loss"] = {"loss_before": float(ctx.result.eval_loss_before),
+                                    "band_losses": [float(x) for x in ctx.band]}
+    return inputs, {"loss": np.float32(ctx.result.eval_loss_after)}
 
 
 PROBES.update({
@@ -376,14 +392,12 @@ PROBES.update({
 def record_task(cfg, dev, console):
     """-> (records, L6 band, wall-clock of the end-to-end torch training run)."""
     from recorder.probes import run_probes
+    from recorder.probes.training_dpo import PROBES as DPO_PROBES
 
-    spec, checks = checks_for("training")
     ctx = Ctx(cfg)
-    records = run_probes([s for s in spec + checks if s.name != "torch_free"], PROBES, ctx, console)
-    # the L6 reference output is the source's held-out loss alone: the band travels in /L6/band
-    for r in records:
-        if r.name == "heldout_loss":
-            r.outputs = {"loss": r.outputs["loss"]}
-            r.attrs.update(loss_before=float(ctx.result.eval_loss_before),
-                           band_losses=[float(x) for x in ctx.band])
+    spec, checks = checks_for("training", ctx.method)
+    probes = {**PROBES, **{"dpo": DPO_PROBES}.get(ctx.method, {})}
+    records = run_probes([s for s in spec + checks if s.name != "torch_free"], probes, ctx, console)
+    for r in records:  # what the L6 probes computed about the reference run (bands, before-training values)
+        r.attrs.update(ctx.l6_attrs.get(r.name, {}))
     return records, ctx.band, ctx.wall

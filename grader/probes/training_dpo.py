@@ -1,0 +1,138 @@
+"""Run the DPO checks on a candidate (the twin of recorder/probes/training_dpo.py), inside the sandboxed
+child: the candidate's jax_oracles.training.dpo through its public names, on the recorded inputs only.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grader.probes.training import _lora_from_inputs, _unflatten_steps, n
+from grader.workloads import (FIXED_STEPS_OPTIONS, FIXED_STEPS_VARIANT, dpo_eval_outputs, dpo_trajectory_outputs,
+                              metric_key, pad_rows)
+
+FIELDS = ("input_ids", "attention_mask", "labels")
+
+
+def _pairs(ctx) -> list[dict]:
+    return ctx.workflow.load_pairwise_dataset(ctx.assets["tokenizer"], ctx.assets["data"], "train", ctx.args)
+
+
+# ---- L1 data -----------------------------------------------------------------------------------
+
+def _pair_fields(ctx, field: str, fill: int) -> dict[str, np.ndarray]:
+    width = ctx.args.cutoff_len + 1
+    return {f"{key}_{field}": pad_rows([list(ex[f"{key}_{field}"])[:width] for ex in _pairs(ctx)], width, fill)
+            for key in ("chosen", "rejected")}
+
+
+def probe_pairwise_tokens(ctx, inp):
+    return {**_pair_fields(ctx, "input_ids", -1), "n": np.array(len(_pairs(ctx)))}
+
+
+def probe_pairwise_labels(ctx, inp):
+    return _pair_fields(ctx, "labels", -7)
+
+
+def probe_pairwise_collate(ctx, inp):
+    batch = ctx.workflow.make_collator(ctx.args, ctx.assets["tokenizer"])(_pairs(ctx)[:4])
+    return {k: np.asarray(batch[k]).astype(np.int64) for k in FIELDS}
+
+
+# ---- L3 / L4 -----------------------------------------------------------------------------------
+
+def _model(ctx):
+    return ctx.workflow.load_model(ctx.assets["checkpoint"], ctx.workflow.lora_config(ctx.args), ctx.args.seed)
+
+
+def probe_sequence_logps(ctx, inp):
+    model = _model(ctx)
+    variables = {"params": model.params, "lora": ctx.lora.lora_tree_from_state_dict(_lora_from_inputs(inp))}
+    batch = {k: jnp.asarray(inp[k]) for k in FIELDS}
+    out = ctx.workflow.concatenated_forward(model.module, variables, batch)
+    ref_chosen, ref_rejected = ctx.workflow.reference_log_probs(model.module, variables, batch)
+    return {"chosen_logps": n(out["chosen_logps"]), "rejected_logps": n(out["rejected_logps"]),
+            "ref_chosen_logps": n(ref_chosen), "ref_rejected_logps": n(ref_rejected)}
+
+
+def _step0(ctx, inp):
+    if getattr(ctx, "dpo_step0", None) is None:
+        ctx.dpo_step0 = ctx.workflow.dpo_step_loss_metrics_and_grads(_model(ctx), _lora_from_inputs(inp),
+                                                                     _unflatten_steps(inp)[0], ctx.args)
+    return ctx.dpo_step0
+
+
+def probe_dpo_loss_step0(ctx, inp):
+    return {"loss": np.float32(_step0(ctx, inp)[0])}
+
+
+def probe_dpo_metrics_step0(ctx, inp):
+    return {metric_key(k): np.float32(v) for k, v in _step0(ctx, inp)[1].items()}
+
+
+def probe_dpo_grads_step0(ctx, inp):
+    return {k: np.asarray(v, np.float32) for k, v in _step0(ctx, inp)[2].items()}
+
+
+def _fixed(ctx, inp):
+    if getattr(ctx, "dpo_fixed", None) is None:
+        init, steps = _lora_from_inputs(inp), _unflatten_steps(inp)
+        runs = {name: ctx.workflow.train_steps(ctx.assets["checkpoint"], init, steps, replace(ctx.args, **options))
+                for name, options in {"": {}, f"{FIXED_STEPS_VARIANT}.": FIXED_STEPS_OPTIONS}.items()}
+        ctx.dpo_fixed = ({f"{name}losses": np.asarray(losses, np.float32) for name, (losses, _) in runs.items()},
+                         {f"{name}{k}": np.asarray(v, np.float32) for name, (_, final) in runs.items()
+                          for k, v in final.items()})
+    return ctx.dpo_fixed
+
+
+def probe_dpo_fixed_steps_loss(ctx, inp):
+    return _fixed(ctx, inp)[0]
+
+
+def probe_dpo_fixed_steps_params(ctx, inp):
+    return _fixed(ctx, inp)[1]
+
+
+# ---- L5 / L6 -----------------------------------------------------------------------------------
+
+def probe_dpo_e2e_step_losses(ctx, inp):
+    return {"step_losses": np.asarray(ctx.run().step_losses, np.float32)}
+
+
+def probe_dpo_e2e_metrics(ctx, inp):
+    return dpo_trajectory_outputs(ctx.run().step_metrics, inp["rewarded_steps"])
+
+
+def probe_dpo_e2e_eval(ctx, inp):
+    return dpo_eval_outputs(ctx.run().eval_before, ctx.run().eval_after)
+
+
+def probe_heldout_preference(ctx, inp):
+    """Policy and reference logits of the candidate's public forward, with the adapter its own L5 run produced
+    (adapter.<PEFT name>), on the held-out pairwise batches b<i>.*. Never its train_dpo or evaluate: the
+    grader computes loss and accuracy from these logits (grader/heldout.py)."""
+    model = _model(ctx)
+    adapter = ctx.lora.lora_tree_from_state_dict({k[len("adapter."):]: np.asarray(v) for k, v in inp.items()
+                                                  if k.startswith("adapter.")})
+    variables = {"params": model.params, "lora": adapter}
+    forward = jax.jit(model.module.apply)
+    num_batches = len([k for k in inp if k.startswith("b") and k.endswith(".input_ids")])
+    out = {}
+    for i in range(num_batches):
+        ids, mask = jnp.asarray(inp[f"b{i}.input_ids"]), jnp.asarray(inp[f"b{i}.attention_mask"])
+        out[f"b{i}.logits"] = n(forward(variables, ids, mask)).astype(np.float32)
+        out[f"b{i}.ref_logits"] = n(forward(ctx.lora.disable_adapter(variables), ids, mask)).astype(np.float32)
+    return out
+
+
+PROBES = {
+    "pairwise_tokens": probe_pairwise_tokens, "pairwise_labels": probe_pairwise_labels,
+    "pairwise_collate": probe_pairwise_collate, "sequence_logps": probe_sequence_logps,
+    "dpo_loss_step0": probe_dpo_loss_step0, "dpo_metrics_step0": probe_dpo_metrics_step0,
+    "dpo_grads_step0": probe_dpo_grads_step0, "dpo_fixed_steps_loss": probe_dpo_fixed_steps_loss,
+    "dpo_fixed_steps_params": probe_dpo_fixed_steps_params, "dpo_e2e_step_losses": probe_dpo_e2e_step_losses,
+    "dpo_e2e_metrics": probe_dpo_e2e_metrics, "dpo_e2e_eval": probe_dpo_e2e_eval,
+    "heldout_preference": probe_heldout_preference,
+}

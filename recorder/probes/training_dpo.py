@@ -1,0 +1,207 @@
+"""Record the DPO checks of the training class (grader/checks.py, methods ("dpo",)) from
+torch_sources/training/dpo.py. The shared training checks (operators, layer, logits, L0) come from
+recorder/probes/training.py; the JAX twin of this file is grader/probes/training_dpo.py.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from grader.workloads import (FIXED_STEPS_OPTIONS, FIXED_STEPS_VARIANT, dpo_eval_outputs, dpo_trajectory_outputs,
+                              metric_key, pad_rows, rewarded_steps)
+from recorder.probes.training import _flatten_steps, _lora_init, n, rng_for, t
+from recorder.provenance import ROOT
+
+ADAPTER_SCALE = 0.05  # lora_B of the step-0 checks: a policy that differs from the reference
+
+
+def _pairs(ctx, split: str = "train") -> list[dict]:
+    return ctx.workflow.load_pairwise_dataset(ROOT / ctx.cfg.family.tokenizer, ROOT / ctx.cfg.data.dir, split,
+                                              ctx.args)
+
+
+def _collator(ctx):
+    return ctx.workflow.make_collator(ctx.args, ROOT / ctx.cfg.family.tokenizer)
+
+
+# ---- L1 data -----------------------------------------------------------------------------------
+
+def _pair_fields(ctx, field: str, fill: int) -> dict[str, np.ndarray]:
+    width = ctx.args.cutoff_len + 1
+    return {f"{key}_{field}": pad_rows([ex[f"{key}_{field}"][:width] for ex in _pairs(ctx)], width, fill)
+            for key in ("chosen", "rejected")}
+
+
+def probe_pairwise_tokens(ctx):
+    return {}, {**_pair_fields(ctx, "input_ids", -1), "n": np.array(len(_pairs(ctx)))}
+
+
+def probe_pairwise_labels(ctx):
+    return {}, _pair_fields(ctx, "labels", -7)
+
+
+def probe_pairwise_collate(ctx):
+    batch = _collator(ctx)(_pairs(ctx)[:4])
+    return {}, {k: n(batch[k]).astype(np.int64) for k in ("input_ids", "attention_mask", "labels")}
+
+
+# ---- L3 / L4 -----------------------------------------------------------------------------------
+
+def _step_batches(ctx, steps: int):
+    """The first `steps` accumulation steps of epoch 0, collated exactly as train_dpo does."""
+    ds, collate = _pairs(ctx), _collator(ctx)
+    idx = ctx.workflow.step_example_indices(len(ds), ctx.args, 0)[:steps]
+    return [[{k: n(v) for k, v in collate([ds[i] for i in mb]).items()} for mb in step] for step in idx]
+
+
+def _adapter(ctx) -> dict[str, np.ndarray]:
+    """The LoRA init with a nonzero lora_B (from numpy), so the policy is not the reference."""
+    r = rng_for("dpo_adapter")
+    return {k: (v if ".lora_A." in k else (r.standard_normal(v.shape) * ADAPTER_SCALE).astype(np.float32))
+            for k, v in _lora_init(ctx).items()}
+
+
+def _torch_batch(mb: dict) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.asarray(v)).long() for k, v in mb.items()}
+
+
+def probe_sequence_logps(ctx):
+    mb = _step_batches(ctx, 1)[0][0]
+    adapter = _adapter(ctx)
+    model = ctx.workflow.load_model(ctx.ckpt, ctx.workflow.lora_config(ctx.args), ctx.args.seed)
+    ctx.lora.load_lora_state_dict(model, adapter)
+    batch = _torch_batch(mb)
+    with torch.no_grad():
+        out = ctx.workflow.concatenated_forward(model, batch)
+    ref_chosen, ref_rejected = ctx.workflow.reference_log_probs(model, batch)
+    inputs = {**{k: np.asarray(v).astype(np.int32) for k, v in mb.items()}, **{f"lora.{k}": v for k, v in adapter.items()}}
+    return inputs, {"chosen_logps": n(out["chosen_logps"]), "rejected_logps": n(out["rejected_logps"]),
+                    "ref_chosen_logps": n(ref_chosen), "ref_rejected_logps": n(ref_rejected)}
+
+
+def _step0(ctx):
+    if getattr(ctx, "dpo_step0", None) is None:
+        steps, adapter = _step_batches(ctx, 1), _adapter(ctx)
+        model = ctx.workflow.load_model(ctx.ckpt, ctx.workflow.lora_config(ctx.args), ctx.args.seed)
+        loss, metrics, grads = ctx.workflow.dpo_step_loss_metrics_and_grads(
+            model, adapter, [_torch_batch(mb) for mb in steps[0]], ctx.args)
+        inputs = {**_flatten_steps(steps), **{f"lora.{k}": v for k, v in adapter.items()}}
+        ctx.dpo_step0 = inputs, loss, metrics, grads
+    return ctx.dpo_step0
+
+
+def probe_dpo_loss_step0(ctx):
+    inputs, loss, _, _ = _step0(ctx)
+    return inputs, {"loss": np.float32(loss)}
+
+
+def probe_dpo_metrics_step0(ctx):
+    inputs, _, metrics, _ = _step0(ctx)
+    return inputs, {metric_key(k): np.float32(v) for k, v in metrics.items()}
+
+
+def probe_dpo_grads_step0(ctx):
+    inputs, _, _, grads = _step0(ctx)
+    return inputs, {k: np.asarray(v, np.float32) for k, v in grads.items()}
+
+
+def _fixed(ctx):
+    """k steps from the LoRA init under the task's optimizer args and under FIXED_STEPS_OPTIONS."""
+    if getattr(ctx, "dpo_fixed", None) is None:
+        steps, init = _step_batches(ctx, int(ctx.cfg.method.fixed_steps)), _lora_init(ctx)
+        batches = [[_torch_batch(mb) for mb in step] for step in steps]
+        runs = {name: ctx.workflow.train_steps(ctx.ckpt, init, batches, replace(ctx.args, **options))
+                for name, options in {"": {}, f"{FIXED_STEPS_VARIANT}.": FIXED_STEPS_OPTIONS}.items()}
+        ctx.dpo_fixed = ({**_flatten_steps(steps), **{f"lora.{k}": v for k, v in init.items()}},
+                         {f"{name}losses": np.asarray(losses, np.float32) for name, (losses, _) in runs.items()},
+                         {f"{name}{k}": np.asarray(v, np.float32) for name, (_, final) in runs.items()
+                          for k, v in final.items()})
+    return ctx.dpo_fixed
+
+
+def probe_dpo_fixed_steps_loss(ctx):
+    inputs, losses, _ = _fixed(ctx)
+    return inputs, losses
+
+
+def probe_dpo_fixed_steps_params(ctx):
+    inputs, _, final = _fixed(ctx)
+    return inputs, final
+
+
+# ---- L5 / L6 -----------------------------------------------------------------------------------
+
+def probe_dpo_e2e_step_losses(ctx):
+    return {"seed": np.int64(ctx.args.seed)}, {"step_losses": np.asarray(ctx.run().step_losses, np.float32)}
+
+
+def probe_dpo_e2e_metrics(ctx):
+    steps = rewarded_steps(ctx.run().step_metrics)
+    return ({"seed": np.int64(ctx.args.seed), "rewarded_steps": steps},
+            dpo_trajectory_outputs(ctx.run().step_metrics, steps))
+
+
+def probe_dpo_e2e_eval(ctx):
+    return {"seed": np.int64(ctx.args.seed)}, dpo_eval_outputs(ctx.run().eval_before, ctx.run().eval_after)
+
+
+def _heldout_batches(ctx) -> list[dict[str, np.ndarray]]:
+    """The eval pairs in order, in batches of per_device_eval_batch_size, collated as the source's
+    evaluation collates them (pad id 0, to a multiple of 8)."""
+    held_out, size = _pairs(ctx, "eval"), ctx.args.per_device_eval_batch_size
+    collate = ctx.workflow.make_collator(ctx.args)
+    return [{k: n(v).astype(np.int32) for k, v in collate(held_out[s:s + size]).items()}
+            for s in range(0, len(held_out), size)]
+
+
+@torch.no_grad()
+def _heldout_logits(ctx, batches, adapter: dict) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    model = ctx.workflow.load_model(ctx.ckpt, ctx.workflow.lora_config(ctx.args), ctx.args.seed)
+    ctx.lora.load_lora_state_dict(model, adapter)
+    policy, reference = [], []
+    for b in batches:
+        ids, mask = t(b["input_ids"]).long(), t(b["attention_mask"]).long()
+        policy.append(n(model(ids, mask)))
+        with ctx.lora.disable_adapter(model):
+            reference.append(n(model(ids, mask)))
+    return policy, reference
+
+
+def probe_heldout_preference(ctx):
+    """Inputs: the held-out pairwise batches and the loss's constants (the grader keeps the labels and computes
+    loss and accuracy from the candidate's policy and reference logits, grader/heldout.py). Outputs: the
+    source's eval loss and accuracy of the seed run; the bands are the spread of the seed-varied runs."""
+    from grader.heldout import preference_metrics
+
+    runs = [ctx.run() if s == ctx.args.seed else ctx.train(s) for s in ctx.cfg.method.band_seeds]
+    metrics = {"loss": "loss", "accuracy": "rewards/accuracies"}
+    spread = {m: [float(r.eval_after[k]) for r in runs] for m, k in metrics.items()}
+    batches = _heldout_batches(ctx)
+    a = ctx.args
+    ours = preference_metrics(*_heldout_logits(ctx, batches, ctx.run().lora_state_dict), [b["labels"] for b in batches],
+                              a.pref_beta, a.dpo_label_smoothing, a.pref_ftx)
+    theirs = {m: float(ctx.run().eval_after[k]) for m, k in metrics.items()}
+    if abs(ours["loss"] - theirs["loss"]) > 1e-5 * abs(theirs["loss"]) or ours["accuracy"] != theirs["accuracy"]:
+        raise RuntimeError(f"grader/heldout.py gives {ours} on the recorded held-out batches, the source's "
+                           f"evaluation {theirs}")
+    ctx.band = (min(spread["loss"]), max(spread["loss"]))
+    ctx.l6_attrs["heldout_preference"] = {
+        **{f"band_{m}": [min(v), max(v)] for m, v in spread.items()},
+        **{f"{m}_before": float(ctx.run().eval_before[k]) for m, k in metrics.items()}}
+    inputs = {f"b{i}.{k}": v for i, b in enumerate(batches) for k, v in b.items()}
+    inputs.update(eval_batch_size=np.int64(a.per_device_eval_batch_size), beta=np.float64(a.pref_beta),
+                  label_smoothing=np.float64(a.dpo_label_smoothing), ftx=np.float64(a.pref_ftx))
+    return inputs, {m: np.float32(v) for m, v in theirs.items()}
+
+
+PROBES = {
+    "pairwise_tokens": probe_pairwise_tokens, "pairwise_labels": probe_pairwise_labels,
+    "pairwise_collate": probe_pairwise_collate, "sequence_logps": probe_sequence_logps,
+    "dpo_loss_step0": probe_dpo_loss_step0, "dpo_metrics_step0": probe_dpo_metrics_step0,
+    "dpo_grads_step0": probe_dpo_grads_step0, "dpo_fixed_steps_loss": probe_dpo_fixed_steps_loss,
+    "dpo_fixed_steps_params": probe_dpo_fixed_steps_params, "dpo_e2e_step_losses": probe_dpo_e2e_step_losses,
+    "dpo_e2e_metrics": probe_dpo_e2e_metrics, "dpo_e2e_eval": probe_dpo_e2e_eval,
+    "heldout_preference": probe_heldout_preference,
+}
