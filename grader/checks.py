@@ -83,8 +83,9 @@ _TRAINING_CHECKS = (
        "LF's logged metrics of that step: rewards, accuracies, margins, log-probs, logits means", DPO),
     _c("L4", "dpo_grads_step0", "numeric", "tensor", "LoRA gradients of that step", DPO),
     _c("L4", "dpo_fixed_steps_loss", "behavioral", "scalar",
-       "DPO losses of k optimizer steps on fixed batches from the LoRA init, under the task's optimizer args and "
-       "with weight decay 1.0, lr 2e-2 on the linear schedule", DPO),
+       "DPO losses of k optimizer steps on fixed batches from the LoRA init (the last step short: one micro-batch "
+       "of 3 pairs), under the task's args and with weight decay 1.0, lr 2e-2, linear schedule, label smoothing "
+       "0.1 and ftx 0.5", DPO),
     _c("L4", "dpo_fixed_steps_params", "behavioral", "tensor", "LoRA params after those k DPO steps, both runs", DPO),
     _c("L5", "dpo_e2e_step_losses", "behavioral", "scalar",
        "per-step DPO losses of the candidate's own train_dpo from the raw preference dataset", DPO),

@@ -66,10 +66,12 @@ class Defect:
     old: str
     new: str
     description: str
+    methods: tuple[str, ...] = ()  # training only: () = every method (the edited code serves them all)
 
-    def applies_to(self, task_class: str, family: str, mode: str | None) -> bool:
+    def applies_to(self, task_class: str, family: str, mode: str | None, method: str | None = None) -> bool:
         return (self.task_class == task_class and (not self.families or family in self.families)
-                and (not self.modes or mode is None or mode in self.modes))
+                and (not self.modes or mode is None or mode in self.modes)
+                and (not self.methods or method is None or method in self.methods))
 
 
 @dataclass(frozen=True)
@@ -100,20 +102,21 @@ def load_catalog(path: Path = CATALOG) -> Catalog:
             raise ValueError(f"defect {did}: levels must be a non-empty list of {LEVELS}, got {levels}")
         defects.append(Defect(did, d["class"], _names(d.get("families"), "families", did),
                               _names(d.get("modes"), "modes", did), levels, d["file"], d["edit"]["old"],
-                              d["edit"]["new"], " ".join(str(d["description"]).split())))
+                              d["edit"]["new"], " ".join(str(d["description"]).split()),
+                              _names(d.get("methods"), "methods", did)))
     ids = [d.id for d in defects]
     if len(set(ids)) != len(ids):
         raise ValueError(f"duplicate defect ids: {sorted({i for i in ids if ids.count(i) > 1})}")
     return Catalog(tuple(defects), dict(raw.get("untripped_rationale") or {}))
 
 
-def _task_key(cfg) -> tuple[str, str, str | None]:
-    from recorder.app import task_class
-    return task_class(cfg), cfg.family.name, cfg.mode.name if "mode" in cfg else None
+def _task_key(cfg) -> tuple[str, str, str | None, str | None]:
+    from recorder.app import task_class, task_method
+    return task_class(cfg), cfg.family.name, cfg.mode.name if "mode" in cfg else None, task_method(cfg)
 
 
 def applicable(defects, cfg) -> list[Defect]:
-    """The defects that apply to the composed task config's class, family and mode."""
+    """The defects that apply to the composed task config's class, family, mode and method."""
     key = _task_key(cfg)
     return [d for d in defects if d.applies_to(*key)]
 

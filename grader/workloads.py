@@ -14,7 +14,7 @@ import numpy as np
 
 __all__ = ["SAMPLED", "FINISH_CODES", "TOP_LOGPROBS", "sampled_params", "branch_params", "stop_params", "run_stop_workload",
            "pad_rows", "unpad_rows", "dense_logprobs", "prompt_logprob_arrays", "run_long_decode", "long_decode_config",
-           "FIXED_STEPS_VARIANT", "FIXED_STEPS_OPTIONS", "DATA_VARIANTS", "data_fields", "tied_checkpoint",
+           "FIXED_STEPS_VARIANT", "FIXED_STEPS_OPTIONS", "DPO_FIXED_STEPS_OPTIONS", "DATA_VARIANTS", "data_fields", "tied_checkpoint",
            "TIE_METRICS", "rewarded_steps", "dpo_trajectory_outputs", "dpo_eval_outputs"]
 
 # The L5 sampled workload: every optional stage of the sampler at once.
@@ -28,6 +28,8 @@ TOP_LOGPROBS = 5  # L6 heldout_logprobs: prompt_logprobs=5, as vLLM's parity tes
 # (the first of three is warmup at lr 0): the tensor measure's sqrt(norm ratio) then falls below 0.999.
 FIXED_STEPS_VARIANT = "decayed_linear"
 FIXED_STEPS_OPTIONS = {"weight_decay": 1.0, "learning_rate": 2.0e-2, "lr_scheduler_type": "linear"}
+# DPO's variant also takes LF's options the task leaves at their defaults: label smoothing and the ftx (SFT) term
+DPO_FIXED_STEPS_OPTIONS = {**FIXED_STEPS_OPTIONS, "dpo_label_smoothing": 0.1, "pref_ftx": 0.5}
 # LF's data options the task leaves off, graded on the same rows by the L1 data checks: the labelled prompts,
 # and the last turn labelled alone and given the cutoff budget first
 DATA_VARIANTS = {"train_on_prompt": {"train_on_prompt": True}, "mask_history": {"mask_history": True}}

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grader.probes.training import _lora_from_inputs, _unflatten_steps, n
-from grader.workloads import (FIXED_STEPS_OPTIONS, FIXED_STEPS_VARIANT, dpo_eval_outputs, dpo_trajectory_outputs,
+from grader.workloads import (DPO_FIXED_STEPS_OPTIONS, FIXED_STEPS_VARIANT, dpo_eval_outputs, dpo_trajectory_outputs,
                               metric_key, pad_rows)
 
 FIELDS = ("input_ids", "attention_mask", "labels")
@@ -80,7 +80,7 @@ def _fixed(ctx, inp):
     if getattr(ctx, "dpo_fixed", None) is None:
         init, steps = _lora_from_inputs(inp), _unflatten_steps(inp)
         runs = {name: ctx.workflow.train_steps(ctx.assets["checkpoint"], init, steps, replace(ctx.args, **options))
-                for name, options in {"": {}, f"{FIXED_STEPS_VARIANT}.": FIXED_STEPS_OPTIONS}.items()}
+                for name, options in {"": {}, f"{FIXED_STEPS_VARIANT}.": DPO_FIXED_STEPS_OPTIONS}.items()}
         ctx.dpo_fixed = ({f"{name}losses": np.asarray(losses, np.float32) for name, (losses, _) in runs.items()},
                          {f"{name}{k}": np.asarray(v, np.float32) for name, (_, final) in runs.items()
                           for k, v in final.items()})

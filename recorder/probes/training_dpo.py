@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from grader.workloads import (FIXED_STEPS_OPTIONS, FIXED_STEPS_VARIANT, dpo_eval_outputs, dpo_trajectory_outputs,
+from grader.workloads import (DPO_FIXED_STEPS_OPTIONS, FIXED_STEPS_VARIANT, dpo_eval_outputs, dpo_trajectory_outputs,
                               metric_key, pad_rows, rewarded_steps)
 from recorder.probes.training import _flatten_steps, _lora_init, n, rng_for, t
 from recorder.provenance import ROOT
@@ -49,10 +49,14 @@ def probe_pairwise_collate(ctx):
 
 # ---- L3 / L4 -----------------------------------------------------------------------------------
 
-def _step_batches(ctx, steps: int):
-    """The first `steps` accumulation steps of epoch 0, collated exactly as train_dpo does."""
+def _step_batches(ctx, steps: int, short_last: bool = False):
+    """The first `steps` accumulation steps of epoch 0, collated exactly as train_dpo does. short_last: the last
+    step holds one micro-batch of one pair less, as an epoch's last step may (HF divides by the micro-batches
+    it holds; a static-shape twin pads that step with a filler micro-batch and a filler pair)."""
     ds, collate = _pairs(ctx), _collator(ctx)
     idx = ctx.workflow.step_example_indices(len(ds), ctx.args, 0)[:steps]
+    if short_last:
+        idx[-1] = [idx[-1][0][:-1]]
     return [[{k: n(v) for k, v in collate([ds[i] for i in mb]).items()} for mb in step] for step in idx]
 
 
@@ -108,12 +112,12 @@ def probe_dpo_grads_step0(ctx):
 
 
 def _fixed(ctx):
-    """k steps from the LoRA init under the task's optimizer args and under FIXED_STEPS_OPTIONS."""
+    """k steps from the LoRA init (the last one short) under the task's args and under DPO_FIXED_STEPS_OPTIONS."""
     if getattr(ctx, "dpo_fixed", None) is None:
-        steps, init = _step_batches(ctx, int(ctx.cfg.method.fixed_steps)), _lora_init(ctx)
+        steps, init = _step_batches(ctx, int(ctx.cfg.method.fixed_steps), short_last=True), _lora_init(ctx)
         batches = [[_torch_batch(mb) for mb in step] for step in steps]
         runs = {name: ctx.workflow.train_steps(ctx.ckpt, init, batches, replace(ctx.args, **options))
-                for name, options in {"": {}, f"{FIXED_STEPS_VARIANT}.": FIXED_STEPS_OPTIONS}.items()}
+                for name, options in {"": {}, f"{FIXED_STEPS_VARIANT}.": DPO_FIXED_STEPS_OPTIONS}.items()}
         ctx.dpo_fixed = ({**_flatten_steps(steps), **{f"lora.{k}": v for k, v in init.items()}},
                          {f"{name}losses": np.asarray(losses, np.float32) for name, (losses, _) in runs.items()},
                          {f"{name}{k}": np.asarray(v, np.float32) for name, (_, final) in runs.items()
