@@ -35,7 +35,7 @@ from .sft import (CausalLM, TrainArgs, _fixed_tokenizer, _lora_optimizer, load_m
 
 __all__ = ["DPOArgs", "DPOResult", "METRICS", "load_pairwise_dataset", "make_collator", "get_batch_logps",
            "dpo_loss", "concatenated_forward", "reference_log_probs", "batch_loss_metrics",
-           "dpo_step_loss_metrics_and_grads", "train_steps", "evaluate_preference", "train_dpo"]
+           "dpo_step_loss_metrics_and_grads", "train_steps", "train_dpo"]
 
 _peft_state_dict = lora_state_dict  # for functions whose lora_state_dict argument shadows the name
 
@@ -123,10 +123,12 @@ def reference_log_probs(module, variables: dict, batch: dict):
     return jax.lax.stop_gradient(out["chosen_logps"]), jax.lax.stop_gradient(out["rejected_logps"])
 
 
-def _masked_loss_metrics(module, params, lora, batch, pair_mask, columns, args: DPOArgs):
-    """The loss (mean over real pairs) and METRICS of one padded micro-batch [2B, L]: pair_mask f32[B]
-    marks real pairs, `columns` the collated length of the unpadded batch."""
-    variables = {"params": params, "lora": lora}
+def batch_loss_metrics(module, variables: dict, batch: dict, args: DPOArgs):
+    """(mean loss over the batch's pairs, METRICS) of one collated batch [2N, T], chosen rows first. A
+    static-shape batch padded with filler pairs also carries `pair_mask` f32[N] (1 = a real pair; chosen
+    row i pairs with rejected row N + i) and `columns` (the length torch's collator gave the real rows)."""
+    num_pairs, length = batch["input_ids"].shape[0] // 2, batch["input_ids"].shape[1]
+    pair_mask, columns = batch.get("pair_mask", jnp.ones((num_pairs,), jnp.float32)), batch.get("columns", length)
     out = concatenated_forward(module, variables, batch)
     ref_chosen, ref_rejected = reference_log_probs(module, variables, batch)
     losses, chosen_rewards, rejected_rewards = dpo_loss(out["chosen_logps"], out["rejected_logps"], ref_chosen,
@@ -151,13 +153,6 @@ def _masked_loss_metrics(module, params, lora, batch, pair_mask, columns, args: 
     return mean(losses), dict(zip(METRICS, (jax.lax.stop_gradient(v) for v in values)))
 
 
-def batch_loss_metrics(module, variables: dict, batch: dict, args: DPOArgs):
-    """(mean loss over the batch's pairs, METRICS) of one collated batch [2N, T] (no padding pairs)."""
-    n, columns = np.shape(batch["input_ids"])[0] // 2, np.shape(batch["input_ids"])[1]
-    return _masked_loss_metrics(module, variables["params"], variables["lora"], batch, jnp.ones((n,), jnp.float32),
-                                columns, args)
-
-
 # ---- jitted steps (cached per module, optimizer and args) ------------------------------------
 
 def _accumulate(module, args, params, lora, batches):
@@ -166,8 +161,7 @@ def _accumulate(module, args, params, lora, batches):
     num_micro = jnp.sum(batches["micro_mask"])
 
     def micro_loss(lora, mb):
-        loss, metrics = _masked_loss_metrics(module, params, lora, {k: mb[k] for k in _FIELDS}, mb["pair_mask"],
-                                             mb["columns"], args)
+        loss, metrics = batch_loss_metrics(module, {"params": params, "lora": lora}, mb, args)
         return loss * mb["micro_mask"] / num_micro, metrics
 
     def body(carry, mb):
@@ -201,9 +195,7 @@ def _train_step_fn(module, args, tx):
 @functools.lru_cache(maxsize=None)
 def _eval_fn(module, args):
     def batch_metrics(params, lora, batch):
-        loss, metrics = _masked_loss_metrics(module, params, lora, {k: batch[k] for k in _FIELDS},
-                                             batch["pair_mask"], batch["columns"], args)
-        return loss, metrics
+        return batch_loss_metrics(module, {"params": params, "lora": lora}, batch, args)
 
     return jax.jit(batch_metrics)
 
@@ -299,13 +291,6 @@ def _bucket_length(features: list[dict]) -> int:
     """The longest chosen or rejected row, rounded up to a multiple of 8."""
     longest = max(len(f[f"{key}_input_ids"]) for f in features for key in ("chosen", "rejected"))
     return -(-longest // 8) * 8
-
-
-def evaluate_preference(model_dir, lora_state_dict: dict, eval_features: list[dict], args: DPOArgs) -> dict:
-    """Held-out DPO loss and METRICS of an adapter (lora_B zero: the reference itself)."""
-    model = load_model(model_dir, lora_config(args))
-    return _evaluate(model, lora_tree_from_state_dict(lora_state_dict), eval_features, args,
-                     _bucket_length(eval_features))
 
 
 def train_dpo(model_dir, tokenizer_dir, data_dir, args: DPOArgs = DPOArgs()) -> DPOResult:

@@ -42,7 +42,7 @@ from .sft import (TrainArgs, _fixed_tokenizer, _lora_grads, load_model, lora_con
 
 __all__ = ["DPOArgs", "DPOResult", "METRICS", "load_pairwise_dataset", "make_collator", "get_batch_logps",
            "dpo_loss", "concatenated_forward", "reference_log_probs", "batch_loss_metrics",
-           "dpo_step_loss_metrics_and_grads", "train_steps", "evaluate_preference", "train_dpo"]
+           "dpo_step_loss_metrics_and_grads", "train_steps", "train_dpo"]
 
 # LF's logged metric names (get_batch_loss_metrics), in its order; eval prefixes them with "eval_".
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -209,13 +209,6 @@ def _evaluate(model, features: list[dict], args: DPOArgs) -> dict[str, float]:
         losses.append(loss.item())
         metrics.append(m)
     return {"loss": float(np.mean(losses)), **_mean_metrics(metrics)}
-
-
-def evaluate_preference(model_dir, lora_state_dict: dict, eval_features: list[dict], args: DPOArgs) -> dict:
-    """Held-out DPO loss and METRICS of an adapter (lora_B zero: the reference itself)."""
-    model = load_model(model_dir, lora_config(args), args.seed)
-    load_lora_state_dict(model, lora_state_dict)
-    return _evaluate(model, eval_features, args)
 
 
 def train_dpo(model_dir, tokenizer_dir, data_dir, args: DPOArgs = DPOArgs()) -> DPOResult:
