@@ -39,6 +39,8 @@ GREEN, AMBER = 0.999, 0.99
 LOSS_SERIES = {  # series key -> plot panel title
     "L5/e2e_step_losses/step_losses": "L5 end-to-end SFT: loss per step",
     "L4/fixed_steps_loss/losses": "L4 fixed steps: loss per step",
+    "L5/dpo_e2e_step_losses/step_losses": "L5 end-to-end DPO: loss per step",
+    "L4/dpo_fixed_steps_loss/losses": "L4 fixed DPO steps: loss per step",
 }
 
 

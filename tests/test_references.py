@@ -7,7 +7,7 @@ import pytest
 
 from grader.checks import checks_for
 from grader.h5schema import (ROOT_ATTRS, CheckRecord, ReferenceError, read_reference, write_reference)
-from recorder.app import compose_task, known_tasks, task_class
+from recorder.app import compose_task, known_tasks, task_class, task_method
 from recorder.provenance import stale_reasons
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,9 +38,11 @@ def test_every_committed_reference_has_a_task_and_is_fresh():
 def test_committed_references_follow_the_schema():
     for path in REFS:
         ref = read_reference(path)
-        spec, checks = checks_for(task_class(compose_task(path.stem)))
+        cfg = compose_task(path.stem)
+        spec, checks = checks_for(task_class(cfg), task_method(cfg))
         want = {c.key for c in spec + checks if c.name != "torch_free"}
-        assert want <= set(ref.checks), f"{path.name} lacks {sorted(want - set(ref.checks))}"
+        assert want == set(ref.checks), (f"{path.name}: lacks {sorted(want - set(ref.checks))}, holds checks of "
+                                         f"another method {sorted(set(ref.checks) - want)}")
         for c in ref.checks.values():
             assert c.outputs, c.key
             for name, arr in c.outputs.items():

@@ -50,6 +50,17 @@ def test_applicability_follows_class_family_and_mode():
     assert not d.applies_to("serving", "llama3", "chunked")
     assert not d.applies_to("training", "gemma4", None)
     assert Defect("y", "training", (), (), ("L1",), "f", "a", "b", "bug").applies_to("training", "llama3", None)
+    dpo_only = Defect("z", "training", (), (), ("L4",), "f", "a", "b", "bug", methods=("dpo",))
+    assert dpo_only.applies_to("training", "llama3", None, "dpo")
+    assert not dpo_only.applies_to("training", "llama3", None, "sft")
+
+
+def test_method_defects_apply_to_their_method_only():
+    from recorder.app import compose_task
+    sft, dpo = (sweep.applicable(CATALOG.defects, compose_task(t)) for t in ("llama3-sft", "llama3-dpo"))
+    assert not any(d.id.startswith("dpo-") for d in sft)
+    assert {d.id for d in dpo if d.id.startswith("dpo-")} == {d.id for d in CATALOG.defects if d.id.startswith("dpo-")}
+    assert "train-ga-mean-per-micro-batch" not in {d.id for d in dpo}  # sft.py's accumulation: SFT's code path
 
 
 def test_an_ambiguous_or_missing_edit_target_is_refused(tmp_path):
