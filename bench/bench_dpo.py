@@ -12,7 +12,6 @@ the frameworks and the best round of each is reported, as bench_sft.py does.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from pathlib import Path
 
@@ -22,6 +21,8 @@ import numpy as np
 from jax_oracles.training import dpo as j_dpo
 from jax_oracles.training.lora import init_lora_tree
 from torch_sources.training import dpo as t_dpo
+
+from side_by_side import report_step_times  # bench/, on sys.path as the script's own folder
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "assets" / "checkpoints" / "llama3"
@@ -79,18 +80,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per round")
     opts = parser.parse_args()
     jax.config.update("jax_default_matmul_precision", "highest")
-    runners = {"torch": torch_runner(), "jax": jax_runner()}
-    for run in runners.values():
-        run(2)  # warm-up (JAX: compile)
-    times = {name: [] for name in runners}
-    for _ in range(opts.rounds):
-        for name, run in runners.items():
-            times[name].append(run(opts.steps) / opts.steps * 1e3)
-    best = {name: min(ms) for name, ms in times.items()}
-    for name, ms in times.items():
-        print(f"{name:5s} DPO step ms: best {best[name]:7.2f}  median {statistics.median(ms):7.2f}")
-    print(f"torch DPO step ms {best['torch']:.2f}  jax DPO step ms {best['jax']:.2f}  "
-          f"ratio jax/torch {best['jax'] / best['torch']:.3f}")
+    report_step_times({"torch": torch_runner(), "jax": jax_runner()}, opts.rounds, opts.steps, 2, "DPO")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ and the best round of each is reported (the least disturbed one).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from pathlib import Path
 
@@ -24,6 +23,8 @@ import numpy as np
 from jax_oracles.training import sft as j_sft
 from jax_oracles.training.lora import init_lora_tree
 from torch_sources.training import sft as t_sft
+
+from side_by_side import report_step_times  # bench/, on sys.path as the script's own folder
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "assets" / "checkpoints" / "llama3"
@@ -88,18 +89,7 @@ def main() -> None:
             result = sft.train_sft(MODEL, TOKENIZER, DATA, sft.TrainArgs())
             print(f"{name:5s} train_sft wall s {result.wall_clock_s:6.2f}  "
                   f"held-out loss {result.eval_loss_before:.4f} -> {result.eval_loss_after:.4f}")
-    runners = {"torch": torch_runner(), "jax": jax_runner()}
-    for run in runners.values():
-        run(3)  # warm-up (JAX: compile)
-    times = {name: [] for name in runners}
-    for _ in range(opts.rounds):
-        for name, run in runners.items():
-            times[name].append(run(opts.steps) / opts.steps * 1e3)
-    best = {name: min(ms) for name, ms in times.items()}
-    for name, ms in times.items():
-        print(f"{name:5s} step ms: best {best[name]:7.2f}  median {statistics.median(ms):7.2f}")
-    print(f"torch step ms {best['torch']:.2f}  jax step ms {best['jax']:.2f}  "
-          f"ratio jax/torch {best['jax'] / best['torch']:.3f}")
+    report_step_times({"torch": torch_runner(), "jax": jax_runner()}, opts.rounds, opts.steps, 3, "SFT")
 
 
 if __name__ == "__main__":

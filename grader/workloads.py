@@ -15,7 +15,7 @@ import numpy as np
 __all__ = ["SAMPLED", "FINISH_CODES", "TOP_LOGPROBS", "sampled_params", "branch_params", "stop_params", "run_stop_workload",
            "pad_rows", "unpad_rows", "dense_logprobs", "prompt_logprob_arrays", "run_long_decode", "long_decode_config",
            "FIXED_STEPS_VARIANT", "FIXED_STEPS_OPTIONS", "DPO_FIXED_STEPS_OPTIONS", "DATA_VARIANTS", "data_fields", "tied_checkpoint",
-           "TIE_METRICS", "rewarded_steps", "dpo_trajectory_outputs", "dpo_eval_outputs"]
+           "fixed_step_runs", "TIE_METRICS", "rewarded_steps", "dpo_trajectory_outputs", "dpo_eval_outputs"]
 
 # The L5 sampled workload: every optional stage of the sampler at once.
 SAMPLED = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.1)
@@ -33,6 +33,16 @@ DPO_FIXED_STEPS_OPTIONS = {**FIXED_STEPS_OPTIONS, "dpo_label_smoothing": 0.1, "p
 # LF's data options the task leaves off, graded on the same rows by the L1 data checks: the labelled prompts,
 # and the last turn labelled alone and given the cutoff budget first
 DATA_VARIANTS = {"train_on_prompt": {"train_on_prompt": True}, "mask_history": {"mask_history": True}}
+
+
+def fixed_step_runs(train_steps, args, variant_options: dict) -> tuple[dict, dict]:
+    """The L4 fixed-steps outputs: train_steps(args) -> (losses, final adapter) under the task's args and under
+    variant_options, as ({"[variant.]losses": ...}, {"[variant.]<PEFT name>": ...}) (each side's own trainer)."""
+    from dataclasses import replace
+    runs = {name: train_steps(replace(args, **options))
+            for name, options in {"": {}, f"{FIXED_STEPS_VARIANT}.": variant_options}.items()}
+    return ({f"{name}losses": np.asarray(losses, np.float32) for name, (losses, _) in runs.items()},
+            {f"{name}{k}": np.asarray(v, np.float32) for name, (_, final) in runs.items() for k, v in final.items()})
 
 
 # DPO's logged accuracy is a step function of each pair's reward margin: where margins are near zero (the first

@@ -17,7 +17,7 @@ import numpy as np
 
 from grader.layout import layout_arrays
 from grader.probes.common import run_probes
-from grader.workloads import FIXED_STEPS_OPTIONS, FIXED_STEPS_VARIANT, data_fields, tied_checkpoint
+from grader.workloads import FIXED_STEPS_OPTIONS, data_fields, fixed_step_runs, tied_checkpoint
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -237,13 +237,9 @@ def probe_lora_grads_step0(ctx, inp):
 def _fixed(ctx, inp):
     """(losses, final adapter) of the task's optimizer args and of FIXED_STEPS_OPTIONS, keys prefixed as recorded."""
     if getattr(ctx, "fixed", None) is None:
-        from dataclasses import replace
         init, steps = _lora_from_inputs(inp), _unflatten_steps(inp)
-        runs = {name: ctx.sft.train_steps(ctx.assets["checkpoint"], init, steps, replace(ctx.args, **options))
-                for name, options in {"": {}, f"{FIXED_STEPS_VARIANT}.": FIXED_STEPS_OPTIONS}.items()}
-        ctx.fixed = ({f"{name}losses": np.asarray(losses, np.float32) for name, (losses, _) in runs.items()},
-                     {f"{name}{k}": np.asarray(v, np.float32) for name, (_, final) in runs.items()
-                      for k, v in final.items()})
+        ctx.fixed = fixed_step_runs(lambda args: ctx.sft.train_steps(ctx.assets["checkpoint"], init, steps, args),
+                                    ctx.args, FIXED_STEPS_OPTIONS)
     return ctx.fixed
 
 

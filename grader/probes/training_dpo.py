@@ -3,14 +3,12 @@ child: the candidate's jax_oracles.training.dpo through its public names, on the
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from grader.probes.training import _lora_from_inputs, _unflatten_steps, n
-from grader.workloads import (DPO_FIXED_STEPS_OPTIONS, FIXED_STEPS_VARIANT, dpo_eval_outputs, dpo_trajectory_outputs,
+from grader.workloads import (DPO_FIXED_STEPS_OPTIONS, dpo_eval_outputs, dpo_trajectory_outputs, fixed_step_runs,
                               metric_key, pad_rows)
 
 FIELDS = ("input_ids", "attention_mask", "labels")
@@ -79,11 +77,9 @@ def probe_dpo_grads_step0(ctx, inp):
 def _fixed(ctx, inp):
     if getattr(ctx, "dpo_fixed", None) is None:
         init, steps = _lora_from_inputs(inp), _unflatten_steps(inp)
-        runs = {name: ctx.workflow.train_steps(ctx.assets["checkpoint"], init, steps, replace(ctx.args, **options))
-                for name, options in {"": {}, f"{FIXED_STEPS_VARIANT}.": DPO_FIXED_STEPS_OPTIONS}.items()}
-        ctx.dpo_fixed = ({f"{name}losses": np.asarray(losses, np.float32) for name, (losses, _) in runs.items()},
-                         {f"{name}{k}": np.asarray(v, np.float32) for name, (_, final) in runs.items()
-                          for k, v in final.items()})
+        ctx.dpo_fixed = fixed_step_runs(
+            lambda args: ctx.workflow.train_steps(ctx.assets["checkpoint"], init, steps, args), ctx.args,
+            DPO_FIXED_STEPS_OPTIONS)
     return ctx.dpo_fixed
 
 

@@ -21,7 +21,7 @@ import torch
 from grader.checks import checks_for
 from grader.h5schema import CheckRecord
 from grader.layout import layout_arrays
-from grader.workloads import FIXED_STEPS_OPTIONS, FIXED_STEPS_VARIANT, data_fields, tied_checkpoint
+from grader.workloads import FIXED_STEPS_OPTIONS, data_fields, fixed_step_runs, tied_checkpoint
 from recorder.provenance import ROOT
 
 # modules whose public names a candidate must mirror (relative to torch_sources/ and jax_oracles/); the
@@ -305,11 +305,8 @@ def probe_fixed_steps(ctx):
     init = _lora_init(ctx)
     if getattr(ctx, "fixed", None) is None:
         batches = [[{k: torch.from_numpy(v) for k, v in mb.items()} for mb in step] for step in steps]
-        runs = {name: ctx.sft.train_steps(ctx.ckpt, init, batches, replace(ctx.args, **options))
-                for name, options in {"": {}, f"{FIXED_STEPS_VARIANT}.": FIXED_STEPS_OPTIONS}.items()}
-        ctx.fixed = ({f"{name}losses": np.asarray(losses, np.float32) for name, (losses, _) in runs.items()},
-                     {f"{name}{k}": np.asarray(v, np.float32) for name, (_, final) in runs.items()
-                      for k, v in final.items()})
+        ctx.fixed = fixed_step_runs(lambda args: ctx.sft.train_steps(ctx.ckpt, init, batches, args), ctx.args,
+                                    FIXED_STEPS_OPTIONS)
     return {**_flatten_steps(steps), **{f"lora.{k}": v for k, v in init.items()}}, ctx.fixed
 
 

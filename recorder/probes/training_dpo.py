@@ -4,12 +4,10 @@ recorder/probes/training.py; the JAX twin of this file is grader/probes/training
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import torch
 
-from grader.workloads import (DPO_FIXED_STEPS_OPTIONS, FIXED_STEPS_VARIANT, dpo_eval_outputs, dpo_trajectory_outputs,
+from grader.workloads import (DPO_FIXED_STEPS_OPTIONS, dpo_eval_outputs, dpo_trajectory_outputs, fixed_step_runs,
                               metric_key, pad_rows, rewarded_steps)
 from recorder.probes.training import _flatten_steps, _lora_init, n, rng_for, t
 from recorder.provenance import ROOT
@@ -116,12 +114,9 @@ def _fixed(ctx):
     if getattr(ctx, "dpo_fixed", None) is None:
         steps, init = _step_batches(ctx, int(ctx.cfg.method.fixed_steps), short_last=True), _lora_init(ctx)
         batches = [[_torch_batch(mb) for mb in step] for step in steps]
-        runs = {name: ctx.workflow.train_steps(ctx.ckpt, init, batches, replace(ctx.args, **options))
-                for name, options in {"": {}, f"{FIXED_STEPS_VARIANT}.": DPO_FIXED_STEPS_OPTIONS}.items()}
-        ctx.dpo_fixed = ({**_flatten_steps(steps), **{f"lora.{k}": v for k, v in init.items()}},
-                         {f"{name}losses": np.asarray(losses, np.float32) for name, (losses, _) in runs.items()},
-                         {f"{name}{k}": np.asarray(v, np.float32) for name, (_, final) in runs.items()
-                          for k, v in final.items()})
+        losses, final = fixed_step_runs(lambda args: ctx.workflow.train_steps(ctx.ckpt, init, batches, args),
+                                        ctx.args, DPO_FIXED_STEPS_OPTIONS)
+        ctx.dpo_fixed = ({**_flatten_steps(steps), **{f"lora.{k}": v for k, v in init.items()}}, losses, final)
     return ctx.dpo_fixed
 
 
