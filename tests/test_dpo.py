@@ -222,3 +222,20 @@ def test_dpo_raises_heldout_accuracy_and_lowers_heldout_loss():
     assert accuracy >= rec.attrs["accuracy_before"] + 0.5, (accuracy, rec.attrs["accuracy_before"])
     lo, hi = rec.attrs["band_accuracy"]
     assert lo <= accuracy <= hi and lo > 0.5
+
+
+def test_heldout_preference_refuses_missing_or_extra_logits():
+    rec = read_reference(ROOT / "references" / "llama3-dpo.h5").checks[heldout.PREFERENCE_KEY]
+    labels = {int(k[1:].split(".")[0]): v for k, v in rec.inputs.items() if k.endswith(".labels")}
+    V = 512
+    good = {f"b{i}.{f}": np.zeros((*y.shape, V), np.float32) for i, y in labels.items() for f in ("logits", "ref_logits")}
+    values, shapes = heldout.heldout_preference(rec.inputs, good)  # all-equal logits: policy = reference
+    assert values == {"loss": pytest.approx(math.log(2)), "accuracy": 0.0} and len(shapes) == 2 * len(labels)
+    missing = {k: v for k, v in good.items() if k != "b0.ref_logits"}
+    with pytest.raises(heldout.HeldoutError, match="b0.ref_logits"):
+        heldout.heldout_preference(rec.inputs, missing)
+    with pytest.raises(heldout.HeldoutError, match="unexpected"):
+        heldout.heldout_preference(rec.inputs, {**good, "b0.chosen_logps": np.zeros(4, np.float32)})
+    bad = {**good, "b1.logits": np.full_like(good["b1.logits"], np.nan)}
+    with pytest.raises(heldout.HeldoutError, match="non-finite"):
+        heldout.heldout_preference(rec.inputs, bad)
