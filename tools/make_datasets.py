@@ -181,7 +181,9 @@ def make_dpo(seed: int = DPO_SEED) -> tuple[list[dict], list[dict]]:
     for row in rows:
         if rng.random() < SYSTEM_FRACTION:
             row["system"] = _system_prompt(rng, int(rng.integers(1, MAX_SYSTEM_SENTENCES + 1)))
-    return rows[:NUM_DPO_TRAIN], rows[NUM_DPO_TRAIN:]
+    # one row without a rejected response, which LF's pairwise pipeline drops (graded: the processed row count)
+    unpaired = {"instruction": "Count to 2.", "input": "", "chosen": "1 2", "rejected": None}
+    return rows[:NUM_DPO_TRAIN] + [unpaired], rows[NUM_DPO_TRAIN:]
 
 
 def write_rows(path: Path, rows: list[dict]) -> None:

@@ -99,8 +99,8 @@ def preprocess_pairwise_dataset(examples: list[dict], tokenizer, template, cutof
     features = []
     for example in examples:
         prompt = alpaca_to_messages({**example, "output": ""})[:-1]
-        if len(prompt) % 2 != 1 or not example.get("chosen") or not example.get("rejected"):
-            continue  # LF drops rows without (odd prompt, two responses)
+        if len(prompt) % 2 != 1 or not all(isinstance(example.get(k), str) for k in ("chosen", "rejected")):
+            continue  # LF's converter gives a row without two string responses none, and the processor drops it
         system = example.get("system") or None
         encoded = [template.encode_oneturn(tokenizer, prompt + [{"role": "assistant", "content": example[key]}],
                                            system) for key in ("chosen", "rejected")]
