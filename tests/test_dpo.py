@@ -242,3 +242,27 @@ def test_heldout_preference_refuses_missing_or_extra_logits():
     bad = {**good, "b1.logits": np.full_like(good["b1.logits"], np.nan)}
     with pytest.raises(heldout.HeldoutError, match="non-finite"):
         heldout.heldout_preference(rec.inputs, bad)
+
+
+def test_l6_cheat_that_favours_the_chosen_rows_scores_below_the_bar():
+    """A candidate that knows chosen rows come first and returns policy logits boosting each chosen row's own
+    next tokens (reference logits honest-looking zeros) gets accuracy 1 and a loss far under the band: it scores below the strict bar."""
+    from grader.lattice import strict_bar
+    from grader.measures import score as measure_score
+
+    rec = read_reference(ROOT / "references" / "llama3-dpo.h5").checks[heldout.PREFERENCE_KEY]
+    produced = {}
+    for key, ids in rec.inputs.items():
+        if not key.endswith(".input_ids"):
+            continue
+        b = key.split(".")[0]
+        ref_logits = np.zeros((*ids.shape, 512), np.float32)
+        logits = ref_logits.copy()
+        n = ids.shape[0] // 2
+        rows, cols = np.meshgrid(np.arange(n), np.arange(ids.shape[1] - 1), indexing="ij")
+        logits[rows, cols, ids[:n, 1:]] = 20.0  # the chosen continuation, made near-certain
+        produced[f"{b}.logits"], produced[f"{b}.ref_logits"] = logits, ref_logits
+    values, _ = heldout.heldout_preference(rec.inputs, produced)
+    assert values["accuracy"] == 1.0 and values["loss"] < 0.5 * rec.attrs["band_loss"][0], values
+    scores = [measure_score("banded", values[m], tuple(rec.attrs[f"band_{m}"])) for m in values]
+    assert float(np.mean(scores)) < strict_bar("behavioral"), scores
