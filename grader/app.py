@@ -44,6 +44,8 @@ def _asset_paths(cfg) -> dict[str, str]:
         paths["tokenizer"] = cfg.family.tokenizer
     if "data" in cfg:
         paths["data"] = cfg.data.dir
+    if "reward_model" in cfg.get("method", {}):
+        paths["reward_model"] = cfg.method.reward_model
     return paths
 
 
@@ -99,7 +101,7 @@ def _score_heldout(spec, rec, produced: dict | None, error: str | None, band, se
         detail.update({f"grader_{metric}": value, f"reference_{metric}": float(rec.outputs[metric]),
                        f"band_{metric}": [lo, hi]})
         scores.append(measure_score("banded", value, (lo, hi)))
-    detail["band"] = detail["band_loss"]
+    detail["band"] = detail[f"band_{next(iter(values))}"]
     return Check(**kw, score=float(np.mean(scores))), detail
 
 

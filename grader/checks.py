@@ -29,7 +29,7 @@ def _c(level, name, aspect, measure, what, methods=()):
     return CheckSpec(level, name, aspect, measure, what, tuple(methods))
 
 
-SFT, DPO = ("sft",), ("dpo",)
+SFT, DPO, PPO = ("sft",), ("dpo",), ("ppo",)
 
 
 # Spec checks run in the grader only (nothing to record but the expected names and shapes).
@@ -95,6 +95,50 @@ _TRAINING_CHECKS = (
     _c("L6", "heldout_preference", "behavioral", "banded",
        "held-out preference loss and accuracy the grader computes from the candidate's policy and reference logits "
        "with its L5 adapter, each banded by seed spread", DPO),
+    _c("L1", "prompt_data", "numeric", "agreement",
+       "unsupervised processor prompt ids and labels on the raw train set, and the left-padded prompt batch", PPO),
+    _c("L1", "value_head", "numeric", "tensor", "TRL's value head Linear(hidden, 1) on random hidden states", PPO),
+    _c("L1", "reward_score", "numeric", "tensor",
+       "the full reward model's score at attention_mask.sum - 1 of right-padded query + response rows", PPO),
+    _c("L1", "rollout_rules", "numeric", "agreement",
+       "sampling (temperature, top-k, top-p, exponential race over shared noise) under three settings, and LF's "
+       "trimming of queries and responses (eos kept when pad == eos, a second stop word, an empty response)", PPO),
+    _c("L1", "kl_rewards", "numeric", "tensor",
+       "per-token KL penalty rewards, the score at the last response token, at two KL coefficients", PPO),
+    _c("L1", "gae_whiten", "numeric", "tensor",
+       "GAE advantages and returns, whitened over the whole batch, at the task's (gamma, lam), at (0.9, 0.8), "
+       "and with whitened rewards", PPO),
+    _c("L1", "ppo_loss", "numeric", "tensor",
+       "clipped policy and value losses and TRL's loss stats where ratios and values cross both clip ranges, and "
+       "zeroed past ratio_threshold", PPO),
+    _c("L1", "kl_controller", "numeric", "scalar",
+       "the adaptive KL controller across its clip range, and the fixed one", PPO),
+    _c("L3", "rollout_generate", "numeric", "agreement",
+       "sampled responses of a nonzero adapter from left-padded prompts (positions from the mask), trimmed", PPO),
+    _c("L3", "rollout_logprobs_values", "numeric", "tensor",
+       "TRL's batched forward pass of the policy (nonzero adapter, value head) and the reference: log-probs, "
+       "values and response masks of right-padded query + response rows", PPO),
+    _c("L4", "ppo_step0_losses", "numeric", "scalar",
+       "policy, value and total loss of the first mini-batch of a PPO step on fixed rollouts", PPO),
+    _c("L4", "ppo_step0_tensors", "numeric", "tensor",
+       "that step's old log-probs, reference log-probs, values, KLs, advantages and returns", PPO),
+    _c("L4", "ppo_step0_grads", "numeric", "tensor", "LoRA and value-head gradients of that mini-batch", PPO),
+    _c("L4", "ppo_fixed_steps_stats", "behavioral", "scalar",
+       "TRL's step stats of k PPO steps (rollouts included) on fixed prompt batches from the inits, under the "
+       "task's args and with weight decay 1.0, lr 2e-2, linear schedule, a fixed KL controller at 0.3, "
+       "gamma 0.9, lam 0.8 and whitened rewards", PPO),
+    _c("L4", "ppo_fixed_steps_rollouts", "behavioral", "agreement", "the responses sampled at each of those steps", PPO),
+    _c("L4", "ppo_fixed_steps_params", "behavioral", "tensor", "LoRA and value head after those steps, both runs", PPO),
+    _c("L5", "ppo_e2e_stats", "behavioral", "scalar",
+       "per-step PPO stats of the candidate's own train_ppo from the raw prompts (no clip fractions)", PPO),
+    _c("L5", "ppo_e2e_rollouts", "behavioral", "agreement", "the responses that run sampled at every step", PPO),
+    _c("L5", "ppo_e2e_value_head", "behavioral", "tensor", "the value head that run trained", PPO),
+    _c("L5", "ppo_e2e_eval", "behavioral", "scalar",
+       "the candidate's own held-out reward before training (after training, one sampled token in 1536 may flip "
+       "on fp32 rounding: the grader scores it at L6, banded), not the L6 score", PPO),
+    _c("L6", "heldout_reward", "behavioral", "banded",
+       "held-out reward the grader computes: its own decoding of the candidate's logits with its L5 adapter, its "
+       "own numpy reward model, banded by seed spread", PPO),
 )
 
 # in level order (stable: each method's checks keep their order within a level)

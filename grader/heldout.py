@@ -140,11 +140,12 @@ def adapter_inputs(reference_adapter: dict, produced_adapter: dict) -> dict[str,
 
 
 def child_inputs(recorded: dict, adapter: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """What the L6 child gets: each batch's input_ids and attention_mask, and the adapter. The labels
-    and the batch size stay here: the child returns logits, the loss is the grader's."""
+    """What the L6 child gets: each batch's input_ids and attention_mask, the generation settings (gen.*, PPO),
+    and the adapter. The labels and the batch size stay here: the child returns logits (or responses), the
+    score is the grader's."""
     batches = _batches(recorded)
     return {**{f"b{i}.{f}": b[f] for i, b in sorted(batches.items()) for f in ("input_ids", "attention_mask")},
-            **adapter}
+            **{k: v for k, v in recorded.items() if k.startswith("gen.")}, **adapter}
 
 
 def _produced_logits(recorded: dict, produced: dict, fields: tuple[str, ...]):
@@ -196,6 +197,16 @@ def _heldout_loss_values(recorded: dict, produced: dict) -> tuple[dict[str, floa
     return {"loss": loss}, shapes
 
 
+def _heldout_reward_values(recorded: dict, produced: dict) -> tuple[dict[str, float], list[tuple[int, ...]]]:
+    from pathlib import Path
+
+    from grader.ppo_eval import REWARD_KEY, RewardModel, heldout_reward
+    del REWARD_KEY
+    root = Path(__file__).resolve().parents[1]  # the reward checkpoint is the grader's own asset
+    return heldout_reward(recorded, produced, RewardModel(root / str(recorded["gen.reward_model"])))
+
+
 # L6 check key -> what the grader computes from the child's logits: ({metric: value}, logits shapes). Each
 # metric is banded by the check's recorded `band_<metric>` attribute (the reference's /L6/band for "loss").
-SCORERS = {HELDOUT_KEY: _heldout_loss_values, PREFERENCE_KEY: heldout_preference}
+SCORERS = {HELDOUT_KEY: _heldout_loss_values, PREFERENCE_KEY: heldout_preference,
+           "L6/heldout_reward": _heldout_reward_values}

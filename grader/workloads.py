@@ -15,7 +15,9 @@ import numpy as np
 __all__ = ["SAMPLED", "FINISH_CODES", "TOP_LOGPROBS", "sampled_params", "branch_params", "stop_params", "run_stop_workload",
            "pad_rows", "unpad_rows", "dense_logprobs", "prompt_logprob_arrays", "run_long_decode", "long_decode_config",
            "FIXED_STEPS_VARIANT", "FIXED_STEPS_OPTIONS", "DPO_FIXED_STEPS_OPTIONS", "DATA_VARIANTS", "data_fields", "tied_checkpoint",
-           "fixed_step_runs", "TIE_METRICS", "rewarded_steps", "dpo_trajectory_outputs", "dpo_eval_outputs"]
+           "fixed_step_runs", "TIE_METRICS", "rewarded_steps", "dpo_trajectory_outputs", "dpo_eval_outputs",
+           "PPO_FIXED_STEPS_OPTIONS", "PPO_TIE_STATS", "PPO_NOISE_STATS", "PPO_MOVED_STATS", "moved_steps", "ppo_stats_outputs", "prompt_rows", "prompt_features",
+           "ROLLOUT_SAMPLING_OPTIONS", "GAE_OPTIONS", "KL_COEFS", "KL_CONTROLLER_KLS"]
 
 # The L5 sampled workload: every optional stage of the sampler at once.
 SAMPLED = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.1)
@@ -30,6 +32,51 @@ FIXED_STEPS_VARIANT = "decayed_linear"
 FIXED_STEPS_OPTIONS = {"weight_decay": 1.0, "learning_rate": 2.0e-2, "lr_scheduler_type": "linear"}
 # DPO's variant also takes LF's options the task leaves at their defaults: label smoothing and the ftx (SFT) term
 DPO_FIXED_STEPS_OPTIONS = {**FIXED_STEPS_OPTIONS, "dpo_label_smoothing": 0.1, "pref_ftx": 0.5}
+# PPO's variant: the optimizer options above, TRL's fixed KL controller (adap_kl_ctrl False) at a coefficient the
+# task's 0.2 never takes, a (gamma, lam) pair that is not the task's (1.0, 0.95) so neither can hide or be swapped,
+# and LF's ppo_whiten_rewards
+PPO_FIXED_STEPS_OPTIONS = {**FIXED_STEPS_OPTIONS, "learning_rate": 1.0e-2, "adap_kl_ctrl": False, "init_kl_coef": 0.3, "gamma": 0.9,
+                           "lam": 0.8, "ppo_whiten_rewards": True}
+# PPO's clip fractions count strict comparisons (a ratio past 1 +- cliprange, a value loss past its clipped twin):
+# an fp32 rounding at either edge moves them by a whole token, so L5 leaves them out (L1 and L4 grade them)
+PPO_TIE_STATS = ("ppo/policy/clipfrac", "ppo/val/clipfrac")
+# The mean of the whitened advantages over an epoch of mini-batches is 0 up to fp32 noise by construction: a
+# relative measure would grade the noise, so no level grades it from a step (L1 grades it on random tensors).
+PPO_NOISE_STATS = ("ppo/policy/advantages_mean",)
+# While warmup holds the learning rate at 0 (the first step) every mini-batch's log-probs equal the old ones:
+# these are exactly 0 in torch and fp32 noise in another program, so they are graded at the steps that moved.
+PPO_MOVED_STATS = ("ppo/policy/approxkl", "ppo/policy/policykl")
+# L1 rollout_rules: the task's sampling settings and two that reach each warper alone
+ROLLOUT_SAMPLING_OPTIONS = {"k_only": {"temperature": 1.3, "top_k": 5, "top_p": 1.0},
+                            "p_only": {"temperature": 0.7, "top_k": 0, "top_p": 0.5}}
+GAE_OPTIONS = {"task": {}, "g09_l08": {"gamma": 0.9, "lam": 0.8}, "whitened": {"ppo_whiten_rewards": True}}
+KL_COEFS = (0.2, 0.05)
+KL_CONTROLLER_KLS = (0.5, 6.0, 7.0, 9.0, 30.0)  # below, at, inside and past the +-20% clip around target 6
+
+
+def moved_steps(step_stats: dict) -> np.ndarray:
+    """Indices of the steps whose policy moved within the step (the reference run's approxkl is not 0)."""
+    return np.flatnonzero(np.asarray(step_stats["ppo/policy/approxkl"], np.float64) != 0).astype(np.int64)
+
+
+def ppo_stats_outputs(step_stats: dict, moved, skip=()) -> dict[str, np.ndarray]:
+    """Per-step PPO stats as {"<stat name with dots>": f32[steps]}: PPO_MOVED_STATS at the `moved` steps
+    (moved_steps of the reference run), without PPO_NOISE_STATS and `skip`."""
+    moved = np.asarray(moved, np.int64)
+    return {metric_key(k): np.asarray(v, np.float32)[moved] if k in PPO_MOVED_STATS else np.asarray(v, np.float32)
+            for k, v in step_stats.items() if k not in skip and k not in PPO_NOISE_STATS}
+
+
+def prompt_rows(features: list[dict]) -> np.ndarray:
+    """Prompt features -> their input_ids as rows padded with -1 (an HDF5 input)."""
+    return pad_rows([list(f["input_ids"]) for f in features])
+
+
+def prompt_features(rows) -> list[dict]:
+    """The inverse of prompt_rows: [dict(input_ids, attention_mask)] of unpadded lists."""
+    return [{"input_ids": r, "attention_mask": [1] * len(r)} for r in unpad_rows(rows)]
+
+
 # LF's data options the task leaves off, graded on the same rows by the L1 data checks: the labelled prompts,
 # and the last turn labelled alone and given the cutoff budget first
 DATA_VARIANTS = {"train_on_prompt": {"train_on_prompt": True}, "mask_history": {"mask_history": True}}

@@ -53,6 +53,9 @@ def task_source_files(cfg: DictConfig) -> list[Path]:
         files += sorted((ROOT / "torch_sources/training").glob("*.py"))
         files += sorted((ROOT / cfg.data.dir).glob("*"))
         files += sorted((ROOT / cfg.family.tokenizer).glob("*"))
+        files += [ROOT / "grader/ppo_eval.py"]  # the recorder checks the grader's PPO L6 scoring on the source
+        if "reward_model" in cfg.method:  # PPO: the reward checkpoint's bytes change every score
+            files += sorted(p for p in (ROOT / cfg.method.reward_model).glob("*") if p.is_file())
     else:
         files += sorted((ROOT / "torch_sources/serving").glob("*.py"))
         files += sorted((ROOT / "torch_sources/serving/models").glob("*.py"))

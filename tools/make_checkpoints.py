@@ -137,6 +137,23 @@ def make_llama3(out_dir) -> Path:
     return write_checkpoint(out_dir, LLAMA3_CONFIG, tensors, LLAMA3_GENERATION_CONFIG)
 
 
+# The PPO reward model: a second tiny Llama (its own weights, the same tokenizer, as LF requires) with TRL's
+# value head in value_head.safetensors, as LF's `reward_model_type: full` loads it (load_valuehead_params).
+LLAMA3_REWARD_SEED = 4
+LLAMA3_REWARD_HEAD_STD = 0.5  # scores spread by about one unit over random responses: something to learn
+
+
+def make_llama3_reward(out_dir) -> Path:
+    """Tiny Llama 3.1-format reward model: the llama3 config, seed LLAMA3_REWARD_SEED, plus its value head."""
+    out = write_checkpoint(out_dir, LLAMA3_CONFIG, llama3_tensors(LLAMA3_CONFIG, LLAMA3_REWARD_SEED),
+                           LLAMA3_GENERATION_CONFIG)
+    rng = np.random.default_rng(LLAMA3_REWARD_SEED + 1000)
+    save_tensors(out / "value_head.safetensors",
+                 {"v_head.summary.weight": normal(rng, (1, LLAMA3_CONFIG["hidden_size"]), LLAMA3_REWARD_HEAD_STD),
+                  "v_head.summary.bias": np.zeros((1,), np.float32)})
+    return out
+
+
 def make_gemma4(out_dir) -> Path:
     import importlib.util  # tools/ is not a package: load the sibling file by path
     spec = importlib.util.spec_from_file_location("checkpoints_gemma4", Path(__file__).with_name("checkpoints_gemma4.py"))
@@ -145,7 +162,7 @@ def make_gemma4(out_dir) -> Path:
     return mod.make_gemma4(out_dir)
 
 
-BUILDERS = {"llama3": make_llama3, "gemma4": make_gemma4}
+BUILDERS = {"llama3": make_llama3, "llama3-reward": make_llama3_reward, "gemma4": make_gemma4}
 
 
 # ---- sharding (real HF index format), used by tests -----------------------------------------

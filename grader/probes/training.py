@@ -23,7 +23,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 
 # per method: its args class and end-to-end entry point in jax_oracles/training/<method>.py
-METHOD_ENTRIES = {"sft": ("TrainArgs", "train_sft"), "dpo": ("DPOArgs", "train_dpo")}
+METHOD_ENTRIES = {"sft": ("TrainArgs", "train_sft"), "dpo": ("DPOArgs", "train_dpo"), "ppo": ("PPOArgs", "train_ppo")}
 
 
 class Ctx:
@@ -73,7 +73,8 @@ class Ctx:
         """The candidate's own entry point from the raw dataset (once for every L5 check)."""
         if getattr(self, "result", None) is None:
             entry = getattr(self.workflow, METHOD_ENTRIES[self.method][1])
-            self.result = entry(self.assets["checkpoint"], self.assets["tokenizer"], self.assets["data"], self.args)
+            paths = [self.assets[k] for k in ("checkpoint", "tokenizer", "data", "reward_model") if k in self.assets]
+            self.result = entry(*paths, self.args)  # PPO also takes its reward model
         return self.result
 
 
@@ -295,6 +296,7 @@ PROBES.update({
 
 def main(inputs_path, outputs_path):
     from grader.probes.training_dpo import PROBES as DPO_PROBES
+    from grader.probes.training_ppo import PROBES as PPO_PROBES
 
     # one table for every method: the names are distinct, and the child runs only the checks it is handed
-    run_probes(inputs_path, outputs_path, Ctx, {**PROBES, **DPO_PROBES})
+    run_probes(inputs_path, outputs_path, Ctx, {**PROBES, **DPO_PROBES, **PPO_PROBES})

@@ -209,10 +209,11 @@ class LlamaModel(nn.Module):
     lora_scaling: float = 2.0
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask):  # i32[B,T], i32[B,T] -> f32[B,T,D]
+    def __call__(self, input_ids, attention_mask, position_ids=None):  # i32[B,T] x3 -> f32[B,T,D]
         c = self.config
         B, T = input_ids.shape
-        position_ids = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))  # right padding
+        if position_ids is None:  # right padding; left-padded generation passes HF's mask cumsum - 1
+            position_ids = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
         cos, sin = rope_cos_sin(rope_inv_freq(c), position_ids)
         mask = causal_mask(attention_mask)
         hidden = nn.Embed(c.vocab_size, c.hidden_size, name="embed_tokens")(input_ids)
@@ -227,11 +228,14 @@ class LlamaForCausalLM(nn.Module):
     lora_scaling: float = 2.0  # lora_alpha / r, used only where a "lora" collection is given
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask=None):  # i32[B,T], i32[B,T] -> f32[B,T,V]
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, return_hidden: bool = False):
+        """i32[B,T] (x3) -> logits f32[B,T,V], or (logits, final hidden states f32[B,T,D]) with return_hidden."""
         c = self.config
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
-        hidden = LlamaModel(c, self.lora_scaling, name="model")(input_ids, attention_mask)
+        hidden = LlamaModel(c, self.lora_scaling, name="model")(input_ids, attention_mask, position_ids)
         if c.tie_word_embeddings:  # Llama 3.2 1B/3B: the embedding doubles as the output head
-            return hidden @ self.variables["params"]["model"]["embed_tokens"]["embedding"].T
-        return nn.Dense(c.vocab_size, use_bias=False, name="lm_head")(hidden)
+            logits = hidden @ self.variables["params"]["model"]["embed_tokens"]["embedding"].T
+        else:
+            logits = nn.Dense(c.vocab_size, use_bias=False, name="lm_head")(hidden)
+        return (logits, hidden) if return_hidden else logits

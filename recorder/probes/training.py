@@ -29,7 +29,7 @@ from recorder.provenance import ROOT
 TRAINING_MODULES = ("training/template.py", "training/processor.py", "training/collator.py",
                     "training/lora.py", "training/optimizer.py", "training/loss.py", "training/sft.py")
 # per method: its args class and end-to-end entry point in torch_sources/training/<method>.py
-METHOD_ENTRIES = {"sft": ("TrainArgs", "train_sft"), "dpo": ("DPOArgs", "train_dpo")}
+METHOD_ENTRIES = {"sft": ("TrainArgs", "train_sft"), "dpo": ("DPOArgs", "train_dpo"), "ppo": ("PPOArgs", "train_ppo")}
 
 
 def rng_for(name: str) -> np.random.Generator:
@@ -69,9 +69,11 @@ class Ctx:
         return getattr(self.family, f"{self.prefix}{suffix}")
 
     def train(self, seed: int):
-        """The method's own entry point from the raw dataset, with the given seed."""
-        return getattr(self.workflow, self.entry)(self.ckpt, ROOT / self.cfg.family.tokenizer,
-                                                  ROOT / self.cfg.data.dir, replace(self.args, seed=seed))
+        """The method's own entry point from the raw dataset, with the given seed (PPO: and its reward model)."""
+        paths = [self.ckpt, ROOT / self.cfg.family.tokenizer, ROOT / self.cfg.data.dir]
+        if "reward_model" in self.cfg.method:
+            paths.append(ROOT / self.cfg.method.reward_model)
+        return getattr(self.workflow, self.entry)(*paths, replace(self.args, seed=seed))
 
     def run(self):
         """The end-to-end run of the task's seed (once; every L5/L6 probe reads it)."""
@@ -390,10 +392,11 @@ def record_task(cfg, dev, console):
     """-> (records, L6 band, wall-clock of the end-to-end torch training run)."""
     from recorder.probes import run_probes
     from recorder.probes.training_dpo import PROBES as DPO_PROBES
+    from recorder.probes.training_ppo import PROBES as PPO_PROBES
 
     ctx = Ctx(cfg)
     spec, checks = checks_for("training", ctx.method)
-    probes = {**PROBES, **{"dpo": DPO_PROBES}.get(ctx.method, {})}
+    probes = {**PROBES, **{"dpo": DPO_PROBES, "ppo": PPO_PROBES}.get(ctx.method, {})}
     records = run_probes([s for s in spec + checks if s.name != "torch_free"], probes, ctx, console)
     for r in records:  # what the L6 probes computed about the reference run (bands, before-training values)
         r.attrs.update(ctx.l6_attrs.get(r.name, {}))

@@ -209,9 +209,10 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, attention_mask):  # i32[B,T], i32[B,T] -> f32[B,T,D]
+    def forward(self, input_ids, attention_mask, position_ids=None):  # i32[B,T] x3 -> f32[B,T,D]
         B, T = input_ids.shape
-        position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, T)  # right padding
+        if position_ids is None:  # right padding; left-padded generation passes HF's mask cumsum - 1
+            position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, T)
         # Recomputed per call (hd/2 floats) rather than stored, so a meta-device build stays valid.
         cos, sin = rope_cos_sin(rope_inv_freq(self.config).to(input_ids.device), position_ids)
         mask = causal_mask(attention_mask)
@@ -230,10 +231,13 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, attention_mask=None):  # i32[B,T], i32[B,T] -> f32[B,T,V]
+    def forward(self, input_ids, attention_mask=None, position_ids=None, return_hidden: bool = False):
+        """i32[B,T] (x3) -> logits f32[B,T,V], or (logits, final hidden states f32[B,T,D]) with return_hidden."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        return self.lm_head(self.model(input_ids, attention_mask))
+        hidden = self.model(input_ids, attention_mask, position_ids)
+        logits = self.lm_head(hidden)
+        return (logits, hidden) if return_hidden else logits
 
     @classmethod
     def from_pretrained(cls, path) -> "LlamaForCausalLM":

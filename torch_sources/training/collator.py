@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["SFTDataCollator", "PairwiseDataCollator", "pad_features"]
+__all__ = ["SFTDataCollator", "PairwiseDataCollator", "PromptDataCollator", "pad_features"]
 
 
 def pad_features(features: list[dict], length: int, pad_token_id: int, label_pad_token_id: int) -> dict[str, np.ndarray]:
@@ -51,3 +51,23 @@ class PairwiseDataCollator(SFTDataCollator):
         rows = [{field: f[f"{key}_{field}"] for field in ("input_ids", "attention_mask", "labels")}
                 for key in ("chosen", "rejected") for f in features]
         return super().__call__(rows)
+
+
+@dataclass(frozen=True)
+class PromptDataCollator:
+    """PPO's prompt batches: LF's workflow sets the tokenizer's padding_side to "left" for generation, and its
+    collator (no pad_to_multiple_of there) pads input_ids with pad_token_id and attention_mask with 0 on the left."""
+
+    pad_token_id: int
+    pad_to_length: int | None = None  # a fixed width instead (static shapes)
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        """[dict(input_ids, ...)] -> dict(input_ids, attention_mask) of int arrays [B, T], left-padded."""
+        length = self.pad_to_length or max(len(f["input_ids"]) for f in features)
+        out = {"input_ids": np.full((len(features), length), self.pad_token_id, np.int64),
+               "attention_mask": np.zeros((len(features), length), np.int64)}
+        for i, f in enumerate(features):
+            k = len(f["input_ids"])
+            out["input_ids"][i, length - k:] = f["input_ids"]
+            out["attention_mask"][i, length - k:] = 1
+        return {key: torch.from_numpy(value) for key, value in out.items()}

@@ -16,7 +16,8 @@ from __future__ import annotations
 from .template import alpaca_to_messages
 
 __all__ = ["IGNORE_INDEX", "infer_seqlen", "preprocess_supervised_example", "preprocess_supervised_dataset",
-           "preprocess_pairwise_example", "preprocess_pairwise_dataset"]
+           "preprocess_pairwise_example", "preprocess_pairwise_dataset", "preprocess_unsupervised_example",
+           "preprocess_unsupervised_dataset"]
 
 IGNORE_INDEX = -100
 
@@ -105,4 +106,26 @@ def preprocess_pairwise_dataset(examples: list[dict], tokenizer, template, cutof
         encoded = [template.encode_oneturn(tokenizer, prompt + [{"role": "assistant", "content": example[key]}],
                                            system) for key in ("chosen", "rejected")]
         features.append(preprocess_pairwise_example(encoded[0][0], encoded[0][1], encoded[1][1], cutoff_len))
+    return features
+
+
+def preprocess_unsupervised_example(prompt_ids: list[int], response_ids: list[int], cutoff_len: int) -> dict[str, list[int]]:
+    """UnsupervisedDatasetProcessor._encode_data_example (LF's stage ppo): infer_seqlen over the prompt and the
+    response, input_ids = the cut prompt (generation starts after it), labels = the cut response (unused by PPO)."""
+    source_len, target_len = infer_seqlen(len(prompt_ids), len(response_ids), cutoff_len)
+    return {"input_ids": prompt_ids[:source_len], "attention_mask": [1] * source_len,
+            "labels": response_ids[:target_len]}
+
+
+def preprocess_unsupervised_dataset(examples: list[dict], tokenizer, template, cutoff_len: int) -> list[dict]:
+    """Alpaca rows -> [dict(input_ids, attention_mask, labels)]: the prompt through the assistant header (a
+    response of one message is encoded as the label, none as an empty assistant turn), unpadded lists."""
+    features = []
+    for example in examples:
+        messages = alpaca_to_messages(example)
+        if len(messages) % 2 != 0:
+            continue
+        # llama3's template has efficient_eos off: the label gets no extra eos
+        prompt_ids, response_ids = template.encode_oneturn(tokenizer, messages, example.get("system") or None)
+        features.append(preprocess_unsupervised_example(prompt_ids, response_ids, cutoff_len))
     return features

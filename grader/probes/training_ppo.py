@@ -1,0 +1,246 @@
+"""Run the PPO checks on a candidate (the twin of recorder/probes/training_ppo.py), inside the sandboxed child:
+the candidate's jax_oracles.training.ppo through its public names, on the recorded inputs only. The L6 probe
+decodes with grader code (grader/ppo_eval.py) over the candidate's public forward.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grader.probes.training import _lora_from_inputs, n
+from grader.workloads import (GAE_OPTIONS, KL_COEFS, PPO_FIXED_STEPS_OPTIONS, PPO_TIE_STATS, ROLLOUT_SAMPLING_OPTIONS,
+                              fixed_step_runs, pad_rows, ppo_stats_outputs, prompt_features)
+
+LOSS_ARGS = ("old_logprobs", "values", "logits", "vpreds", "logprobs", "mask", "advantages", "returns")
+
+
+def _prompts(ctx) -> list[dict]:
+    return ctx.workflow.load_prompt_dataset(ctx.assets["tokenizer"], ctx.assets["data"], "train", ctx.args)
+
+
+def _gen_ids(ctx):
+    return ctx.workflow.generation_ids(ctx.assets["tokenizer"], ctx.args)
+
+
+def _v_head_from_inputs(inp) -> dict:
+    return {k[len("v_head."):]: np.asarray(v) for k, v in inp.items() if k.startswith("v_head.")}
+
+
+def _policy(ctx, inp):
+    return ctx.workflow.load_policy(ctx.assets["checkpoint"], ctx.args, _lora_from_inputs(inp), _v_head_from_inputs(inp))
+
+
+# ---- L1 ----------------------------------------------------------------------------------------
+
+def probe_prompt_data(ctx, inp):
+    ds, width = _prompts(ctx), ctx.args.cutoff_len + 1
+    batch = ctx.workflow.make_collator(ctx.args, ctx.assets["tokenizer"])(ds[:4])
+    return {"input_ids": pad_rows([list(f["input_ids"])[:width] for f in ds], width, -1),
+            "labels": pad_rows([list(f["labels"])[:width] for f in ds], width, -7), "n": np.array(len(ds)),
+            "collate.input_ids": np.asarray(batch["input_ids"]).astype(np.int64),
+            "collate.attention_mask": np.asarray(batch["attention_mask"]).astype(np.int64)}
+
+
+def probe_value_head(ctx, inp):
+    return {"values": n(ctx.workflow.value_head(jnp.asarray(inp["hidden"]), jnp.asarray(inp["weight"]),
+                                                jnp.asarray(inp["bias"])))}
+
+
+def _reward(ctx):
+    if getattr(ctx, "reward_model", None) is None:
+        ctx.reward_model = ctx.workflow.load_reward_model(ctx.assets["reward_model"])
+    return ctx.reward_model
+
+
+def probe_reward_score(ctx, inp):
+    reward, v_head = _reward(ctx)
+    inputs = {k: inp[k] for k in ("input_ids", "attention_mask")}
+    return {"scores": n(ctx.workflow.get_rewards(reward, v_head, inputs))}
+
+
+def probe_rollout_rules(ctx, inp):
+    out = {f"tokens.{name}": n(ctx.workflow.sample_next_tokens(jnp.asarray(inp["logits"]), jnp.asarray(inp["noise"]),
+                                                               replace(ctx.args, **options))).astype(np.int64)
+           for name, options in {"task": {}, **ROLLOUT_SAMPLING_OPTIONS}.items()}
+    eos, pad = _gen_ids(ctx)
+    q, r = ctx.workflow.trim_rollouts(inp["query_ids"], inp["response_ids"], pad, eos[0])
+    return {**out, "queries": pad_rows([list(x) for x in q]), "responses": pad_rows([list(x) for x in r])}
+
+
+def probe_kl_rewards(ctx, inp):
+    out = {}
+    for c in KL_COEFS:
+        rewards, non_score, kls = ctx.workflow.compute_rewards(*(jnp.asarray(inp[k]) for k in (
+            "scores", "logprobs", "ref_logprobs", "masks")), c)
+        out.update({f"{c}.rewards": n(rewards), f"{c}.non_score_reward": n(non_score), f"{c}.kls": n(kls)})
+    return out
+
+
+def probe_gae_whiten(ctx, inp):
+    values, rewards, masks = (jnp.asarray(inp[k]) for k in ("values", "rewards", "masks"))
+    out = {}
+    for name, o in GAE_OPTIONS.items():
+        v, adv, ret = ctx.workflow.compute_advantages(values, rewards, masks, o.get("gamma", ctx.args.gamma),
+                                                      o.get("lam", ctx.args.lam), o.get("ppo_whiten_rewards", False))
+        out.update({f"{name}.values": n(v), f"{name}.advantages": n(adv), f"{name}.returns": n(ret)})
+    out["whiten_no_shift"] = n(ctx.workflow.masked_whiten(rewards, masks, shift_mean=False))
+    return out
+
+
+def probe_ppo_loss(ctx, inp):
+    out = {}
+    for name in ("clipped", "past_threshold"):
+        pg, vf, stats = ctx.workflow.ppo_loss(*(jnp.asarray(inp[f"{name}.{k}"]) for k in LOSS_ARGS), ctx.args)
+        out.update({f"{name}.loss_p": n(pg), f"{name}.loss_v": n(vf),
+                    **{f"{name}.{k.replace('/', '.')}": n(v) for k, v in stats.items()}})
+    return out
+
+
+def probe_kl_controller(ctx, inp):
+    a = ctx.args
+    ctls = {"adaptive": ctx.workflow.AdaptiveKLController(a.init_kl_coef, a.ppo_target, a.horizon),
+            "fixed": ctx.workflow.FixedKLController(a.init_kl_coef)}
+    values = {k: [] for k in ctls}
+    for kl in np.asarray(inp["kls"]):
+        for name, ctl in ctls.items():
+            ctl.update(float(kl), a.batch_size * 1000)
+            values[name].append(float(ctl.value))
+    return {k: np.array(v, np.float32) for k, v in values.items()}
+
+
+# ---- L3 / L4 -----------------------------------------------------------------------------------
+
+def probe_rollout_generate(ctx, inp):
+    policy, trainable = _policy(ctx, inp)
+    eos, pad = _gen_ids(ctx)
+    responses = ctx.workflow.generate(policy, trainable["lora"], inp["input_ids"], inp["attention_mask"], inp["noise"],
+                                      ctx.args, eos, pad)
+    _, r = ctx.workflow.trim_rollouts(inp["input_ids"], responses, pad, eos[0])
+    return {"responses": n(responses).astype(np.int64), "response_len": np.array([len(x) for x in r], np.int64)}
+
+
+def _batch(inp) -> dict:
+    return {k: jnp.asarray(inp[k]) for k in ("input_ids", "attention_mask", "query_len", "response_len", "scores")}
+
+
+def probe_rollout_logprobs_values(ctx, inp):
+    policy, trainable = _policy(ctx, inp)
+    b = _batch(inp)
+    logprobs, _, values, masks = ctx.workflow.batched_forward_pass(policy, trainable["lora"], trainable["v_head"], b,
+                                                                   b["query_len"], b["response_len"])
+    ref, _, _, _ = ctx.workflow.batched_forward_pass(policy, None, trainable["v_head"], b, b["query_len"],
+                                                     b["response_len"])
+    return {"logprobs": n(logprobs), "values": n(values), "masks": n(masks).astype(np.float32), "ref_logprobs": n(ref)}
+
+
+def _step0(ctx, inp):
+    if getattr(ctx, "ppo_step0", None) is None:
+        policy, trainable = _policy(ctx, inp)
+        ctx.ppo_step0 = ctx.workflow.ppo_step_loss_and_grads(policy, trainable, _batch(inp), ctx.args)
+    return ctx.ppo_step0
+
+
+def probe_ppo_step0_losses(ctx, inp):
+    return {k: np.float32(v) for k, v in _step0(ctx, inp)[0].items()}
+
+
+def probe_ppo_step0_tensors(ctx, inp):
+    return {k: np.asarray(v, np.float32) for k, v in _step0(ctx, inp)[1].items()}
+
+
+def probe_ppo_step0_grads(ctx, inp):
+    return {k: np.asarray(v, np.float32) for k, v in _step0(ctx, inp)[2].items()}
+
+
+_RUN_NAMES = ("", "decayed_linear.")
+
+
+def _fixed(ctx, inp):
+    if getattr(ctx, "ppo_fixed", None) is None:
+        num = len([k for k in inp if k.endswith(".prompts") and k.startswith("s")])
+        steps = [prompt_features(inp[f"s{i}.prompts"]) for i in range(num)]
+        init, v_head = _lora_from_inputs(inp), _v_head_from_inputs(inp)
+        eos, pad = _gen_ids(ctx)
+        runs = {}
+
+        def train(args):
+            stats, responses, lora, vh = ctx.workflow.train_steps(ctx.assets["checkpoint"], ctx.assets["reward_model"],
+                                                                  init, v_head, steps, args, eos, pad)
+            runs[len(runs)] = (stats, responses)
+            return [0.0], {**lora, **vh}
+
+        _, final = fixed_step_runs(train, ctx.args, PPO_FIXED_STEPS_OPTIONS)
+        ctx.ppo_fixed = runs, final
+    return ctx.ppo_fixed
+
+
+def probe_ppo_fixed_steps_stats(ctx, inp):
+    runs, _ = _fixed(ctx, inp)
+    return {f"{_RUN_NAMES[i]}{k}": v for i, (stats, _) in runs.items()
+            for k, v in ppo_stats_outputs(stats, inp[f"{_RUN_NAMES[i]}moved_steps"]).items()}
+
+
+def probe_ppo_fixed_steps_rollouts(ctx, inp):
+    runs, _ = _fixed(ctx, inp)
+    return {f"{_RUN_NAMES[i]}s{j}": np.asarray(r, np.int64) for i, (_, responses) in runs.items()
+            for j, r in enumerate(responses)}
+
+
+def probe_ppo_fixed_steps_params(ctx, inp):
+    return _fixed(ctx, inp)[1]
+
+
+# ---- L5 / L6 -----------------------------------------------------------------------------------
+
+def probe_ppo_e2e_stats(ctx, inp):
+    return ppo_stats_outputs(ctx.run().step_stats, inp["moved_steps"], PPO_TIE_STATS)
+
+
+def probe_ppo_e2e_rollouts(ctx, inp):
+    return {"responses": np.stack(ctx.run().step_responses).astype(np.int64)}
+
+
+def probe_ppo_e2e_value_head(ctx, inp):
+    return {k: np.asarray(v, np.float32) for k, v in ctx.run().value_head.items()}
+
+
+def probe_ppo_e2e_eval(ctx, inp):
+    return {"before": np.float32(ctx.run().eval_before)}
+
+
+def probe_heldout_reward(ctx, inp):
+    """Held-out responses decoded by grader code over the candidate's public forward with the adapter its own
+    L5 run produced (adapter.<PEFT name>), noise from grader/ppo_eval.eval_noise; the parent scores them."""
+    from grader.ppo_eval import decode, eval_noise
+
+    model = ctx.workflow.load_model(ctx.assets["checkpoint"], ctx.workflow.lora_config(ctx.args))
+    adapter = ctx.lora.lora_tree_from_state_dict({k[len("adapter."):]: np.asarray(v) for k, v in inp.items()
+                                                  if k.startswith("adapter.")})
+    variables = {"params": model.params, "lora": adapter}
+    apply = jax.jit(lambda ids, mask, pos: model.module.apply(variables, ids, mask, pos))
+    gen = {k[len("gen."):]: inp[k] for k in inp if k.startswith("gen.")}
+    vocab = ctx.config.vocab_size
+    num_batches = len([k for k in inp if k.startswith("b") and k.endswith(".input_ids")])
+    out = {}
+    for k in range(int(gen["eval_samples"])):
+        for i in range(num_batches):
+            ids, mask = np.asarray(inp[f"b{i}.input_ids"]), np.asarray(inp[f"b{i}.attention_mask"])
+            noise = eval_noise(k, i, (len(ids), int(gen["max_new_tokens"]), vocab))
+            out[f"b{i}.s{k}.responses"] = decode(lambda a, b, c: n(apply(a, b, c)), ids, mask, noise, gen).astype(np.int64)
+    return out
+
+
+PROBES = {
+    "prompt_data": probe_prompt_data, "value_head": probe_value_head, "reward_score": probe_reward_score,
+    "rollout_rules": probe_rollout_rules, "kl_rewards": probe_kl_rewards, "gae_whiten": probe_gae_whiten,
+    "ppo_loss": probe_ppo_loss, "kl_controller": probe_kl_controller, "rollout_generate": probe_rollout_generate,
+    "rollout_logprobs_values": probe_rollout_logprobs_values, "ppo_step0_losses": probe_ppo_step0_losses,
+    "ppo_step0_tensors": probe_ppo_step0_tensors, "ppo_step0_grads": probe_ppo_step0_grads,
+    "ppo_fixed_steps_stats": probe_ppo_fixed_steps_stats, "ppo_fixed_steps_rollouts": probe_ppo_fixed_steps_rollouts,
+    "ppo_fixed_steps_params": probe_ppo_fixed_steps_params, "ppo_e2e_stats": probe_ppo_e2e_stats,
+    "ppo_e2e_rollouts": probe_ppo_e2e_rollouts, "ppo_e2e_value_head": probe_ppo_e2e_value_head,
+    "ppo_e2e_eval": probe_ppo_e2e_eval, "heldout_reward": probe_heldout_reward,
+}

@@ -1,0 +1,674 @@
+"""LoRA PPO of Llama 3 as LLaMA-Factory runs it on TRL v0.9.6, in JAX/optax: twin of
+torch_sources/training/ppo.py (read its docstring for the loop; the numpy draws are the same here).
+
+Static shapes throughout. A step batch is bs prompts left-padded to one width P (the longest prompt of
+the run); rollouts are generated for all bs rows at once (rows are independent, so this equals TRL's
+per-mini-batch generation), in a lax.scan over max_new_tokens that recomputes the forward on a fixed
+[bs, P + max_new_tokens] buffer (a tiny model: no KV cache needed for a jitted, loop-free decode).
+Queries and responses then live as right-padded model inputs [bs, W] plus per-row lengths, with LF's
+trimming rule computed on device. One jitted, donated PPO step holds TRL's whole `step`: old and
+reference passes, rewards, GAE (a reverse lax.scan), whitening, then ppo_epochs x mini-batches as a
+lax.scan whose body accumulates GA mini-batch grads and applies clip + AdamW. The learning rate is the
+PPO step's (the schedule steps once per PPO step, not per optimizer update), passed in as a scalar.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from safetensors.numpy import load_file
+
+from .collator import PromptDataCollator
+from .lora import init_lora_tree, lora_state_dict, lora_tree_from_state_dict
+from .optimizer import LR_MULTIPLIERS, _decay_mask, clip_grad_norm, get_warmup_steps
+from .processor import preprocess_unsupervised_dataset
+from .sft import CausalLM, TrainArgs, _fixed_tokenizer, load_model, lora_config
+
+__all__ = ["PPOArgs", "PPOResult", "STATS", "VALUE_HEAD_FILE", "load_prompt_dataset", "make_collator",
+           "prompt_batch_indices", "num_training_steps", "init_value_head", "value_head", "ValueHead",
+           "CausalLMWithValueHead", "load_policy", "load_reward_model", "value_head_state_dict",
+           "load_value_head_state_dict", "generation_ids", "rollout_noise", "eval_noise", "warp_logits", "sample_next_tokens",
+           "generate", "trim_rollouts", "prepare_model_inputs", "get_rewards", "logprobs_from_logits",
+           "batched_forward_pass", "masked_mean", "masked_var", "masked_whiten", "compute_rewards",
+           "compute_advantages", "ppo_loss", "AdaptiveKLController", "FixedKLController", "ppo_step",
+           "ppo_step_loss_and_grads", "rollout", "train_steps", "evaluate_reward", "train_ppo"]
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+_VALUE_HEAD, _ROLLOUT, _MINIBATCH, _EVAL = 1, 2, 3, 4
+
+STATS = ("ppo/loss/policy", "ppo/loss/value", "ppo/loss/total", "ppo/policy/entropy", "ppo/policy/approxkl",
+         "ppo/policy/policykl", "ppo/policy/clipfrac", "ppo/policy/advantages_mean", "ppo/returns/mean",
+         "ppo/returns/var", "ppo/val/vpred", "ppo/val/error", "ppo/val/clipfrac", "ppo/val/mean", "ppo/val/var",
+         "ppo/val/var_explained", "objective/kl", "objective/kl_coef", "objective/entropy",
+         "ppo/mean_non_score_reward", "ppo/mean_scores", "ppo/std_scores")
+
+
+@dataclass(frozen=True)
+class PPOArgs(TrainArgs):
+    """TrainArgs plus LF's ppo_* arguments, TRL PPOConfig defaults and LF's generating arguments."""
+
+    ppo_epochs: int = 4
+    ppo_buffer_size: int = 1
+    ppo_target: float = 6.0
+    ppo_score_norm: bool = False
+    ppo_whiten_rewards: bool = False
+    init_kl_coef: float = 0.2
+    adap_kl_ctrl: bool = True
+    horizon: float = 10000.0
+    gamma: float = 1.0
+    lam: float = 0.95
+    cliprange: float = 0.2
+    cliprange_value: float = 0.2
+    vf_coef: float = 0.1
+    ratio_threshold: float = 10.0
+    kl_penalty: str = "kl"
+    max_new_tokens: int = 16
+    temperature: float = 0.95
+    top_k: int = 50
+    top_p: float = 0.7
+    value_head_dropout: float = 0.0
+    eval_samples: int = 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.kl_penalty != "kl":
+            raise NotImplementedError(f"kl_penalty {self.kl_penalty!r}: only TRL's default 'kl' is implemented")
+        if self.ppo_score_norm:
+            raise NotImplementedError("ppo_score_norm needs TRL's running moments; LF's default is off")
+        if self.value_head_dropout != 0.0:
+            raise NotImplementedError("value-head dropout masks cannot be shared across frameworks: record it off")
+
+    @property
+    def mini_batch_size(self) -> int:
+        return self.per_device_train_batch_size
+
+    @property
+    def batch_size(self) -> int:
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.ppo_buffer_size
+
+
+@dataclass(frozen=True)
+class PPOResult:
+    step_stats: dict[str, list[float]]
+    step_responses: list[np.ndarray]
+    eval_before: float
+    eval_after: float
+    lora_state_dict: dict[str, np.ndarray]
+    value_head: dict[str, np.ndarray]
+    wall_clock_s: float
+
+
+# ---- data --------------------------------------------------------------------------------------
+
+def load_prompt_dataset(tokenizer_dir, data_dir, split: str, args: PPOArgs) -> list[dict]:
+    template, tokenizer = _fixed_tokenizer(tokenizer_dir, args)
+    rows = json.loads((Path(data_dir) / f"{split}.json").read_text())
+    return preprocess_unsupervised_dataset(rows, tokenizer, template, args.cutoff_len)
+
+
+def make_collator(args: PPOArgs, tokenizer_dir=None, pad_to_length: int | None = None) -> PromptDataCollator:
+    pad_token_id = 0 if tokenizer_dir is None else _fixed_tokenizer(tokenizer_dir, args)[1].pad_token_id
+    return PromptDataCollator(pad_token_id=pad_token_id, pad_to_length=pad_to_length)
+
+
+def generation_ids(tokenizer_dir, args: PPOArgs) -> tuple[tuple[int, ...], int]:
+    template, tokenizer = _fixed_tokenizer(tokenizer_dir, args)
+    eos = [tokenizer.eos_token_id] + [tokenizer.convert_tokens_to_ids(w) for w in template.stop_words[1:]]
+    return tuple(dict.fromkeys(eos)), tokenizer.pad_token_id
+
+
+def prompt_batch_indices(num_examples: int, args: PPOArgs, epoch: int) -> list[np.ndarray]:
+    order = np.random.default_rng(args.seed + epoch).permutation(num_examples)
+    return [order[s:s + args.batch_size] for s in range(0, num_examples - args.batch_size + 1, args.batch_size)]
+
+
+def num_training_steps(num_examples: int, args: PPOArgs) -> int:
+    return args.num_train_epochs * math.ceil(num_examples / args.batch_size)
+
+
+# ---- the value head and the two models ------------------------------------------------------
+
+def init_value_head(hidden_size: int, seed: int) -> dict[str, np.ndarray]:
+    """The same numpy draws as the torch twin (nn.Linear's default distribution), torch names and layout."""
+    bound = 1.0 / math.sqrt(hidden_size)
+    rng = np.random.default_rng([seed, _VALUE_HEAD])
+    return {"v_head.summary.weight": rng.uniform(-bound, bound, (1, hidden_size)).astype(np.float32),
+            "v_head.summary.bias": rng.uniform(-bound, bound, (1,)).astype(np.float32)}
+
+
+def value_head(hidden, weight, bias):
+    """f32[..., D] x f32[1, D] + f32[1] -> f32[...]."""
+    return jnp.einsum("...d,d->...", hidden.astype(jnp.float32), weight[0]) + bias[0]
+
+
+@dataclass(frozen=True)
+class ValueHead:
+    """The value head's tree: {"summary": {"weight": f32[1, D], "bias": f32[1]}} (torch layout)."""
+
+    hidden_size: int
+
+    def __call__(self, tree: dict, hidden):
+        return value_head(hidden, tree["summary"]["weight"], tree["summary"]["bias"])
+
+
+def load_value_head_state_dict(state_dict: dict) -> dict:
+    """{"v_head.summary.weight", "v_head.summary.bias"} -> the value-head tree."""
+    expected = {"v_head.summary.weight", "v_head.summary.bias"}
+    if set(state_dict) != expected:
+        raise KeyError(f"value head names differ: expected {sorted(expected)}, got {sorted(state_dict)}")
+    return {"summary": {k: jnp.asarray(np.asarray(state_dict[f"v_head.summary.{k}"], np.float32))
+                        for k in ("weight", "bias")}}
+
+
+def value_head_state_dict(tree: dict) -> dict[str, np.ndarray]:
+    return {f"v_head.summary.{k}": np.array(tree["summary"][k], np.float32) for k in ("weight", "bias")}
+
+
+@dataclass(frozen=True)
+class CausalLMWithValueHead:
+    """A Linen causal LM and its base params; apply -> (fp32 logits, values) with an adapter (or None: the
+    reference / a full model) and a value-head tree."""
+
+    module: object
+    params: dict
+
+    def apply(self, lora, v_head, input_ids, attention_mask, position_ids=None):
+        return _forward(self.module, self.params, lora, v_head, input_ids, attention_mask, position_ids)
+
+
+def _forward(module, params, lora, v_head, input_ids, attention_mask, position_ids=None):
+    variables = {"params": params} if lora is None else {"params": params, "lora": lora}
+    logits, hidden = module.apply(variables, input_ids, attention_mask, position_ids, return_hidden=True)
+    return logits.astype(jnp.float32), value_head(hidden, v_head["summary"]["weight"], v_head["summary"]["bias"])
+
+
+def load_policy(model_dir, args: PPOArgs, lora_init: dict | None = None,
+                value_head_init: dict | None = None) -> tuple[CausalLMWithValueHead, dict]:
+    """(the policy, its trainable tree {"lora", "v_head"}) from args.seed's inits or the given state dicts."""
+    model: CausalLM = load_model(model_dir, lora_config(args))
+    lora = (init_lora_tree(model.params, lora_config(args), args.seed) if lora_init is None
+            else lora_tree_from_state_dict(lora_init))
+    hidden = model.module.config.hidden_size
+    v_head = load_value_head_state_dict(value_head_init or init_value_head(hidden, args.seed))
+    return CausalLMWithValueHead(model.module, model.params), {"lora": lora, "v_head": v_head}
+
+
+def load_reward_model(reward_model_dir) -> tuple[CausalLMWithValueHead, dict]:
+    """LF's full reward model: (the checkpoint, its value head from value_head.safetensors)."""
+    path = Path(reward_model_dir) / VALUE_HEAD_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: a full reward model needs its value head (LF load_valuehead_params)")
+    model = load_model(reward_model_dir)
+    return CausalLMWithValueHead(model.module, model.params), load_value_head_state_dict(load_file(str(path)))
+
+
+# ---- rollouts ------------------------------------------------------------------------------------
+
+def rollout_noise(seed: int, step: int, batch_index: int, shape: tuple[int, ...]) -> np.ndarray:
+    return np.random.default_rng([seed, _ROLLOUT, step, batch_index]).exponential(size=shape).astype(np.float32)
+
+
+def eval_noise(sample: int, batch_index: int, shape: tuple[int, ...]) -> np.ndarray:
+    return np.random.default_rng([_EVAL, sample, batch_index]).exponential(size=shape).astype(np.float32)
+
+
+def warp_logits(logits, args: PPOArgs):
+    """Temperature, top-k (ties at the k-th kept), top-p (the cumulative mass of the ascending sort above
+    1 - top_p is kept, the top token always); removed tokens get -inf."""
+    scores = logits.astype(jnp.float32) / args.temperature
+    if 0 < args.top_k < scores.shape[-1]:
+        kth = jax.lax.top_k(scores, args.top_k)[0][..., -1:]
+        scores = jnp.where(scores < kth, -jnp.inf, scores)
+    if args.top_p < 1.0:
+        order = jnp.argsort(scores, axis=-1)
+        sorted_scores = jnp.take_along_axis(scores, order, axis=-1)
+        cumulative = jnp.cumsum(jax.nn.softmax(sorted_scores, axis=-1), axis=-1)
+        remove = (cumulative <= 1 - args.top_p).at[..., -1].set(False)
+        remove = jnp.take_along_axis(remove, jnp.argsort(order, axis=-1), axis=-1)  # back to vocab order
+        scores = jnp.where(remove, -jnp.inf, scores)
+    return scores
+
+
+def sample_next_tokens(logits, noise, args: PPOArgs):
+    """f32[B,V], f32[B,V] Exp(1) -> i32[B]: the exponential race over the warped distribution."""
+    return jnp.argmax(jax.nn.softmax(warp_logits(logits, args), axis=-1) / noise, axis=-1).astype(jnp.int32)
+
+
+def _generate(module, args, eos_token_ids, pad_token_id, params, lora, input_ids, attention_mask, noise):
+    """lax.scan over max_new_tokens on the fixed buffer [B, P + N]; see `generate`."""
+    B, P = input_ids.shape
+    N = args.max_new_tokens
+    ids = jnp.concatenate([input_ids, jnp.full((B, N), pad_token_id, jnp.int32)], axis=1)
+    mask = jnp.concatenate([attention_mask, jnp.zeros((B, N), jnp.int32)], axis=1)
+    eos = jnp.asarray(eos_token_ids, jnp.int32)
+    variables = {"params": params, "lora": lora}
+
+    def body(carry, t):
+        ids, mask, finished = carry
+        position_ids = jnp.where(mask == 0, 1, jnp.cumsum(mask, axis=-1) - 1)
+        logits = module.apply(variables, ids, mask, position_ids)
+        last = jax.lax.dynamic_index_in_dim(logits, P + t - 1, axis=1, keepdims=False).astype(jnp.float32)
+        token = sample_next_tokens(last, noise[:, t], args)
+        token = jnp.where(finished, pad_token_id, token)
+        finished = finished | jnp.isin(token, eos)
+        ids = jax.lax.dynamic_update_index_in_dim(ids, token, P + t, axis=1)
+        mask = jax.lax.dynamic_update_index_in_dim(mask, jnp.ones((B,), jnp.int32), P + t, axis=1)
+        return (ids, mask, finished), token
+
+    _, tokens = jax.lax.scan(body, (ids, mask, jnp.zeros((B,), jnp.bool_)), jnp.arange(N))
+    return tokens.T
+
+
+@functools.lru_cache(maxsize=None)
+def _generate_fn(module, args, eos_token_ids, pad_token_id):
+    return jax.jit(functools.partial(_generate, module, args, eos_token_ids, pad_token_id))
+
+
+def generate(policy: CausalLMWithValueHead, lora, input_ids, attention_mask, noise, args: PPOArgs,
+             eos_token_ids, pad_token_id: int):
+    """HF generate (do_sample, the exponential race over noise f32[B, N, V]) from left-padded prompts i32[B,P]
+    -> i32[B, max_new_tokens], pad after a row's eos; positions are the mask cumsum - 1 (1 on pads)."""
+    fn = _generate_fn(policy.module, args, tuple(int(e) for e in eos_token_ids), int(pad_token_id))
+    return fn(policy.params, lora, jnp.asarray(input_ids, jnp.int32), jnp.asarray(attention_mask, jnp.int32),
+              jnp.asarray(noise))
+
+
+def _rollout_lengths(query_ids, response_ids, pad_token_id: int, eos_token_id: int):
+    """LF's trimming rule as lengths: (query start i32[B], query length, response length)."""
+    P, N = query_ids.shape[1], response_ids.shape[1]
+    start = jnp.argmax(query_ids != pad_token_id, axis=-1)
+    kept = response_ids != pad_token_id
+    last = N - 1 - jnp.argmax(kept[:, ::-1], axis=-1)
+    extra = 2 if eos_token_id == pad_token_id else 1
+    length = jnp.where(kept.any(axis=-1), jnp.minimum(last + extra, N), 1)
+    return start, P - start, length
+
+
+def trim_rollouts(query_ids, response_ids, pad_token_id: int, eos_token_id: int):
+    """LF get_inputs' trimming on host -> (queries, responses) as lists of int arrays (the torch twin's form)."""
+    q, r = np.asarray(query_ids), np.asarray(response_ids)
+    start, _, length = (np.asarray(x) for x in _rollout_lengths(jnp.asarray(q), jnp.asarray(r), pad_token_id,
+                                                                 eos_token_id))
+    return [q[i, start[i]:] for i in range(len(q))], [r[i, :length[i]] for i in range(len(r))]
+
+
+def _model_inputs(query_ids, start, query_len, response_ids, response_len, pad_token_id: int):
+    """Right-padded query + response [B, P + N] and its attention mask, gathered on device."""
+    B, P = query_ids.shape
+    W = P + response_ids.shape[1]
+    j = jnp.arange(W)[None]
+    from_query = jnp.take_along_axis(query_ids, jnp.clip(start[:, None] + j, 0, P - 1), axis=1)
+    from_response = jnp.take_along_axis(response_ids, jnp.clip(j - query_len[:, None], 0, W - 1 - P), axis=1)
+    total = (query_len + response_len)[:, None]
+    ids = jnp.where(j < query_len[:, None], from_query, jnp.where(j < total, from_response, pad_token_id))
+    return {"input_ids": ids.astype(jnp.int32), "attention_mask": (j < total).astype(jnp.int32)}
+
+
+def prepare_model_inputs(queries, responses, pad_token_id: int, width: int | None = None) -> dict[str, np.ndarray]:
+    """Host twin of TRL's prepare_model_inputs: query + response right-padded (to `width`, or the longest)."""
+    rows = [np.concatenate([np.asarray(q), np.asarray(r)]) for q, r in zip(queries, responses)]
+    width = width or max(len(x) for x in rows)
+    ids, mask = np.full((len(rows), width), pad_token_id, np.int32), np.zeros((len(rows), width), np.int32)
+    for i, x in enumerate(rows):
+        ids[i, :len(x)], mask[i, :len(x)] = x, 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _scores(reward: CausalLMWithValueHead, reward_v_head, model_inputs):
+    _, values = _forward(reward.module, reward.params, None, reward_v_head, model_inputs["input_ids"],
+                         model_inputs["attention_mask"])
+    last = jnp.sum(model_inputs["attention_mask"], axis=-1) - 1
+    return jnp.take_along_axis(values, last[:, None], axis=-1)[:, 0]
+
+
+def get_rewards(reward_model, reward_v_head, model_inputs: dict):
+    """The reward model's value at attention_mask.sum - 1 of right-padded query + response -> f32[B]."""
+    fn = jax.jit(lambda params, v_head, inputs: _scores(CausalLMWithValueHead(reward_model.module, params), v_head,
+                                                         inputs))
+    return fn(reward_model.params, reward_v_head, {k: jnp.asarray(v, jnp.int32) for k, v in model_inputs.items()})
+
+
+# ---- TRL's step (pure jnp) -----------------------------------------------------------------------
+
+def logprobs_from_logits(logits, labels):
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.sum(logp * jax.nn.one_hot(labels, logp.shape[-1], dtype=logp.dtype), axis=-1)
+
+
+def _response_masks(attention_mask, query_len, response_len):
+    """TRL/LF's masks[:, :-1]: 1 at positions t in [q - 1, q - 1 + r) (they predict the response tokens)."""
+    t = jnp.arange(attention_mask.shape[1] - 1)[None]
+    start = (query_len - 1)[:, None]
+    inside = (t >= start) & (t < start + response_len[:, None])
+    return (inside & (attention_mask[:, 1:] > 0)).astype(jnp.float32)
+
+
+def batched_forward_pass(policy: CausalLMWithValueHead, lora, v_head, model_inputs: dict, query_len, response_len,
+                         return_logits: bool = False):
+    """(logprobs f32[B,W-1], logits f32[B,W-1,V] or None, values f32[B,W-1], masks f32[B,W-1]) of right-padded
+    inputs; lora None = the reference (adapter disabled)."""
+    ids, mask = model_inputs["input_ids"], model_inputs["attention_mask"]
+    logits, values = policy.apply(lora, v_head, ids, mask)
+    logprobs = logprobs_from_logits(logits[:, :-1], ids[:, 1:])
+    return (logprobs, logits[:, :-1] if return_logits else None, values[:, :-1],
+            _response_masks(mask, query_len, response_len))
+
+
+def masked_mean(values, mask, axis=None):
+    return jnp.sum(values * mask, axis=axis) / jnp.sum(mask, axis=axis)
+
+
+def masked_var(values, mask, unbiased: bool = True):
+    mean = masked_mean(values, mask)
+    variance = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        n = jnp.sum(mask)
+        variance = variance * (n / (n - 1))
+    return variance
+
+
+def masked_whiten(values, mask, shift_mean: bool = True):
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * jax.lax.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def compute_rewards(scores, logprobs, ref_logprobs, masks, kl_coef):
+    """(rewards, non-score rewards, kls) f32[B,T]: -kl_coef (logp - ref logp), the score at the last masked t."""
+    kls = logprobs - ref_logprobs
+    non_score = -kl_coef * kls
+    T = masks.shape[1]
+    last = T - 1 - jnp.argmax(masks[:, ::-1] > 0, axis=-1)
+    return non_score + scores[:, None] * jax.nn.one_hot(last, T, dtype=non_score.dtype), non_score, kls
+
+
+def compute_advantages(values, rewards, mask, gamma: float, lam: float, whiten_rewards: bool = False):
+    """GAE as a reverse lax.scan over positions -> (masked values, whitened advantages, returns)."""
+    values, rewards = values * mask, rewards * mask
+    if whiten_rewards:
+        rewards = masked_whiten(rewards, mask, shift_mean=False)
+    next_values = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
+    deltas = rewards + gamma * next_values - values
+
+    def body(lastgaelam, delta):
+        lastgaelam = delta + gamma * lam * lastgaelam
+        return lastgaelam, lastgaelam
+
+    _, advantages = jax.lax.scan(body, jnp.zeros_like(deltas[:, 0]), deltas.T, reverse=True)
+    advantages = advantages.T
+    returns = advantages + values
+    return values, jax.lax.stop_gradient(masked_whiten(advantages, mask)), returns
+
+
+def _entropy_from_logits(logits):
+    pd = jax.nn.softmax(logits, axis=-1)
+    return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(pd * logits, axis=-1)
+
+
+def ppo_loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns, args: PPOArgs):
+    """TRL PPOTrainer.loss -> (policy loss, vf_coef x value loss, stats); zeroed past ratio_threshold."""
+    vpredclipped = jnp.clip(vpreds, values - args.cliprange_value, values + args.cliprange_value)
+    vf_losses1 = (vpreds - returns) ** 2
+    vf_losses2 = (vpredclipped - returns) ** 2
+    vf_loss = 0.5 * masked_mean(jnp.maximum(vf_losses1, vf_losses2), mask)
+    vf_clipfrac = masked_mean((vf_losses2 > vf_losses1).astype(jnp.float32), mask)
+    ratio = jnp.exp(logprobs - old_logprobs)
+    pg_losses = -advantages * ratio
+    pg_losses2 = -advantages * jnp.clip(ratio, 1.0 - args.cliprange, 1.0 + args.cliprange)
+    pg_loss = masked_mean(jnp.maximum(pg_losses, pg_losses2), mask)
+    pg_clipfrac = masked_mean((pg_losses2 > pg_losses).astype(jnp.float32), mask)
+    keep = (jax.lax.stop_gradient(masked_mean(ratio, mask)) <= args.ratio_threshold).astype(jnp.float32)
+    pg_loss, vf_loss = pg_loss * keep, vf_loss * keep
+    loss = pg_loss + args.vf_coef * vf_loss
+    stats = {"loss/policy": pg_loss, "loss/value": vf_loss, "loss/total": loss,
+             "policy/entropy": masked_mean(_entropy_from_logits(logits), mask),
+             "policy/approxkl": 0.5 * masked_mean((logprobs - old_logprobs) ** 2, mask),
+             "policy/policykl": masked_mean(old_logprobs - logprobs, mask), "policy/clipfrac": pg_clipfrac,
+             "policy/advantages_mean": masked_mean(advantages, mask),
+             "returns/mean": masked_mean(returns, mask), "returns/var": masked_var(returns, mask),
+             "val/vpred": masked_mean(vpreds, mask), "val/error": masked_mean((vpreds - returns) ** 2, mask),
+             "val/clipfrac": vf_clipfrac, "val/mean": masked_mean(values, mask), "val/var": masked_var(values, mask)}
+    return pg_loss, args.vf_coef * vf_loss, jax.tree.map(jax.lax.stop_gradient, stats)
+
+
+class AdaptiveKLController:
+    def __init__(self, init_kl_coef: float, target: float, horizon: float):
+        self.value, self.target, self.horizon = init_kl_coef, target, horizon
+
+    def update(self, current, n_steps: int):
+        proportional_error = jnp.clip(current / self.target - 1, -0.2, 0.2)
+        self.value = self.value * (1 + proportional_error * n_steps / self.horizon)
+
+
+class FixedKLController:
+    def __init__(self, kl_coef: float):
+        self.value = kl_coef
+
+    def update(self, current, n_steps: int):
+        pass
+
+
+def _next_kl_coef(args: PPOArgs, kl_coef, mean_kl):
+    ctl = (AdaptiveKLController(kl_coef, args.ppo_target, args.horizon) if args.adap_kl_ctrl
+           else FixedKLController(kl_coef))
+    ctl.update(mean_kl, args.batch_size)
+    return ctl.value
+
+
+def _step_batch(policy, args, lora, v_head, batch, kl_coef):
+    """The no-grad half of the step on a rollout batch {input_ids, attention_mask, query_len, response_len,
+    scores} -> every per-token tensor TRL keeps."""
+    logprobs, _, values, masks = batched_forward_pass(policy, lora, v_head, batch, batch["query_len"],
+                                                      batch["response_len"])
+    ref_logprobs, _, _, _ = batched_forward_pass(policy, None, v_head, batch, batch["query_len"],
+                                                 batch["response_len"])
+    rewards, non_score, kls = compute_rewards(batch["scores"], logprobs, ref_logprobs, masks, kl_coef)
+    values, advantages, returns = compute_advantages(values, rewards, masks, args.gamma, args.lam,
+                                                     args.ppo_whiten_rewards)
+    out = {"logprobs": logprobs, "ref_logprobs": ref_logprobs, "values": values, "masks": masks,
+           "advantages": advantages, "returns": returns, "kls": kls, "non_score_reward": non_score}
+    return jax.tree.map(jax.lax.stop_gradient, {**batch, **out})
+
+
+def _minibatch_loss(policy, args, trainable, mb):
+    logprobs, logits, vpreds, _ = batched_forward_pass(policy, trainable["lora"], trainable["v_head"], mb,
+                                                       mb["query_len"], mb["response_len"], return_logits=True)
+    loss_p, loss_v, stats = ppo_loss(mb["logprobs"], mb["values"], logits, vpreds, logprobs, mb["masks"],
+                                     mb["advantages"], mb["returns"], args)
+    return loss_p + loss_v, stats
+
+
+def _adam(args: PPOArgs):
+    """clip + AdamW without its learning rate: the caller scales by -lr of the PPO step."""
+    chain = [optax.scale_by_adam(b1=args.adam_beta1, b2=args.adam_beta2, eps=args.adam_epsilon),
+             optax.add_decayed_weights(args.weight_decay, mask=_decay_mask)]
+    if args.max_grad_norm > 0:
+        chain.insert(0, clip_grad_norm(args.max_grad_norm))
+    return optax.chain(*chain)
+
+
+def _ppo_step(module, args, params, trainable, opt_state, kl_coef, lr, batch, perms):
+    """TRL's step. perms: i32[ppo_epochs, bs] mini-batch orders -> (trainable, opt_state, next kl_coef, stats)."""
+    policy, tx = CausalLMWithValueHead(module, params), _adam(args)
+    data = _step_batch(policy, args, trainable["lora"], trainable["v_head"], batch, kl_coef)
+    bs, mb, GA = perms.shape[1], args.mini_batch_size, args.gradient_accumulation_steps
+    groups = perms.reshape(-1, GA, mb)  # [epochs x backward batches, GA, mb]
+    per_row = {k: v for k, v in data.items() if jnp.ndim(v) >= 1 and v.shape[0] == bs}
+
+    def update(carry, group):
+        trainable, opt_state = carry
+
+        def micro(grads, idx):
+            mbatch = {k: v[idx] for k, v in per_row.items()}
+            (_, stats), g = jax.value_and_grad(lambda t: _minibatch_loss(policy, args, t, mbatch), has_aux=True)(
+                trainable)
+            return jax.tree.map(lambda a, b: a + b / GA, grads, g), stats
+
+        grads, stats = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, trainable), group)
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        trainable = jax.tree.map(lambda p, u: p - lr * u, trainable, updates)
+        return (trainable, opt_state), stats
+
+    (trainable, opt_state), stats = jax.lax.scan(update, (trainable, opt_state), groups)
+    stats = {f"ppo/{k}": jnp.mean(v) for k, v in stats.items()}
+    stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
+    mask = data["masks"]
+    mean_kl = jnp.mean(jnp.sum(data["kls"] * mask, axis=-1))
+    scores = data["scores"]
+    stats.update({"objective/kl": mean_kl, "objective/kl_coef": jnp.asarray(kl_coef, jnp.float32),
+                  "objective/entropy": jnp.mean(jnp.sum(-data["logprobs"] * mask, axis=-1)),
+                  "ppo/mean_non_score_reward": masked_mean(data["non_score_reward"], mask),
+                  "ppo/mean_scores": jnp.mean(scores), "ppo/std_scores": jnp.std(scores, ddof=1)})
+    return trainable, opt_state, _next_kl_coef(args, kl_coef, mean_kl), {k: stats[k] for k in STATS}
+
+
+@functools.lru_cache(maxsize=None)
+def _ppo_step_fn(module, args):
+    return jax.jit(functools.partial(_ppo_step, module, args), donate_argnums=(1, 2))
+
+
+def _learning_rate(args: PPOArgs, step: int, total_steps: int) -> float:
+    warmup = get_warmup_steps(total_steps, args.warmup_ratio)
+    return args.learning_rate * float(LR_MULTIPLIERS[args.lr_scheduler_type](step, warmup, total_steps))
+
+
+def _minibatch_orders(args: PPOArgs, step: int, bs: int) -> np.ndarray:
+    rng = np.random.default_rng([args.seed, _MINIBATCH, step])
+    return np.stack([rng.permutation(bs) for _ in range(args.ppo_epochs)]).astype(np.int32)
+
+
+def ppo_step(policy, trainable, opt_state, kl_coef, batch: dict, args: PPOArgs, step: int, total_steps: int):
+    """One TRL step on a rollout batch (see `rollout`) -> (trainable, opt_state, next kl_coef, STATS on device).
+    trainable and opt_state are donated."""
+    return _ppo_step_fn(policy.module, args)(policy.params, trainable, opt_state, kl_coef, _learning_rate(args, step, total_steps), batch,
+                                      jnp.asarray(_minibatch_orders(args, step, batch["input_ids"].shape[0])))
+
+
+def ppo_step_loss_and_grads(policy, trainable, batch: dict, args: PPOArgs, kl_coef: float | None = None):
+    """The step's first mini-batch (rows 0..mini_batch_size-1), no update -> (loss terms, batch tensors,
+    grads {PEFT / v_head name: array, torch layout}), as the torch twin."""
+    kl = args.init_kl_coef if kl_coef is None else kl_coef
+
+    def fn(params, trainable, batch):
+        policy_ = CausalLMWithValueHead(policy.module, params)
+        data = _step_batch(policy_, args, trainable["lora"], trainable["v_head"], batch, kl)
+        mbatch = {k: v[:args.mini_batch_size] for k, v in data.items() if jnp.ndim(v) >= 1}
+        (_, stats), grads = jax.value_and_grad(lambda t: _minibatch_loss(policy_, args, t, mbatch), has_aux=True)(
+            trainable)
+        return stats, data, grads
+
+    stats, data, grads = jax.jit(fn)(policy.params, trainable, {k: jnp.asarray(v) for k, v in batch.items()})
+    terms = {k: float(stats[f"loss/{k}"]) for k in ("policy", "value", "total")}
+    tensors = {k: np.asarray(data[k]) for k in ("logprobs", "ref_logprobs", "values", "masks", "advantages",
+                                                "returns", "kls")}
+    return terms, tensors, {**lora_state_dict(grads["lora"]), **value_head_state_dict(grads["v_head"])}
+
+
+# ---- the loop ----------------------------------------------------------------------------------
+
+def _rollout(module, reward_module, args, eos_token_ids, pad_token_id, params, lora, reward_params,
+             reward_v_head, prompt_ids, prompt_mask, noise):
+    reward = CausalLMWithValueHead(reward_module, reward_params)
+    responses = _generate(module, args, eos_token_ids, pad_token_id, params, lora, prompt_ids, prompt_mask, noise)
+    start, query_len, response_len = _rollout_lengths(prompt_ids, responses, pad_token_id, eos_token_ids[0])
+    inputs = _model_inputs(prompt_ids, start, query_len, responses, response_len, pad_token_id)
+    cut = jnp.where(jnp.arange(responses.shape[1])[None] < response_len[:, None], responses, -1)
+    return {**inputs, "query_len": query_len, "response_len": response_len,
+            "scores": _scores(reward, reward_v_head, inputs)}, cut
+
+
+@functools.lru_cache(maxsize=None)
+def _rollout_fn(module, reward_module, args, eos_token_ids, pad_token_id):
+    return jax.jit(functools.partial(_rollout, module, reward_module, args, eos_token_ids, pad_token_id))
+
+
+def rollout(policy, lora, reward_model, reward_v_head, prompt_features: list[dict], args: PPOArgs, eos_token_ids,
+            pad_token_id: int, step: int, width: int, noise: np.ndarray | None = None):
+    """One PPO step's rollouts: generate from the prompts left-padded to `width`, trim, score -> (the rollout
+    batch {input_ids, attention_mask [B, width + N], query_len, response_len, scores}, the cut responses
+    i32[B, N], -1 padded). The noise of mini-batch m is rollout_noise(seed, step, m) unless `noise` is given."""
+    prompts = PromptDataCollator(pad_token_id, pad_to_length=width)(prompt_features)
+    B, mb, N = len(prompt_features), args.mini_batch_size, args.max_new_tokens
+    vocab = policy.module.config.vocab_size
+    if noise is None:
+        noise = np.concatenate([rollout_noise(args.seed, step, m, (min(mb, B - s), N, vocab))
+                                for m, s in enumerate(range(0, B, mb))])
+    fn = _rollout_fn(policy.module, reward_model.module, args, tuple(int(e) for e in eos_token_ids),
+                     int(pad_token_id))
+    return fn(policy.params, lora, reward_model.params, reward_v_head, jnp.asarray(prompts["input_ids"]), jnp.asarray(prompts["attention_mask"]),
+              jnp.asarray(noise))
+
+
+def _prompt_width(*feature_lists) -> int:
+    return max(len(f["input_ids"]) for features in feature_lists for f in features)
+
+
+def _run(policy, trainable, reward, reward_v_head, step_prompts, args, eos_token_ids, pad_token_id, total_steps, width):
+    opt_state = _adam(args).init(trainable)
+    kl_coef = jnp.asarray(args.init_kl_coef, jnp.float32)
+    all_stats, all_responses = [], []
+    for step, prompts in enumerate(step_prompts):
+        batch, responses = rollout(policy, trainable["lora"], reward, reward_v_head, prompts, args, eos_token_ids,
+                                   pad_token_id, step, width)
+        trainable, opt_state, kl_coef, stats = ppo_step(policy, trainable, opt_state, kl_coef, batch, args, step,
+                                                        total_steps)
+        all_stats.append(stats)  # on device: no host sync per step
+        all_responses.append(responses)
+    all_stats, all_responses = jax.device_get((all_stats, all_responses))
+    return ({k: [float(s[k]) for s in all_stats] for k in STATS},
+            [np.asarray(r, np.int64) for r in all_responses], trainable)
+
+
+def train_steps(model_dir, reward_model_dir, lora_init: dict, value_head_init: dict, step_prompts: list[list[dict]],
+                args: PPOArgs, eos_token_ids, pad_token_id: int):
+    """len(step_prompts) PPO steps (rollouts included) from the given adapter and value head."""
+    policy, trainable = load_policy(model_dir, args, lora_init, value_head_init)
+    reward, reward_v_head = load_reward_model(reward_model_dir)
+    stats, responses, trainable = _run(policy, trainable, reward, reward_v_head, step_prompts, args, eos_token_ids,
+                                       pad_token_id, len(step_prompts), _prompt_width(*step_prompts))
+    return stats, responses, lora_state_dict(trainable["lora"]), value_head_state_dict(trainable["v_head"])
+
+
+def evaluate_reward(policy, lora, reward, reward_v_head, features: list[dict], args: PPOArgs, eos_token_ids,
+                    pad_token_id: int, width: int) -> float:
+    """Mean reward of eval_samples sampled responses per prompt (eval_noise), in eval batches."""
+    size, vocab = args.per_device_eval_batch_size, policy.module.config.vocab_size
+    eval_args = replace(args, per_device_train_batch_size=size)
+    scores = []
+    for k in range(args.eval_samples):
+        for b, s in enumerate(range(0, len(features), size)):
+            prompts = features[s:s + size]
+            noise = eval_noise(k, b, (len(prompts), args.max_new_tokens, vocab))
+            scores.append(rollout(policy, lora, reward, reward_v_head, prompts, eval_args, eos_token_ids, pad_token_id,
+                                  0, width, noise)[0]["scores"])
+    return float(np.mean(np.concatenate(jax.device_get(scores)).astype(np.float64)))
+
+
+def train_ppo(model_dir, tokenizer_dir, data_dir, reward_model_dir, args: PPOArgs = PPOArgs()) -> PPOResult:
+    """End to end from data_dir/{train,eval}.json (alpaca rows: their prompts) to a trained adapter and value head."""
+    start = time.perf_counter()
+    train = load_prompt_dataset(tokenizer_dir, data_dir, "train", args)
+    held_out = load_prompt_dataset(tokenizer_dir, data_dir, "eval", args)
+    eos_token_ids, pad_token_id = generation_ids(tokenizer_dir, args)
+    width = _prompt_width(train, held_out)  # one static prompt width
+    policy, trainable = load_policy(model_dir, args)
+    reward, reward_v_head = load_reward_model(reward_model_dir)
+    eval_before = evaluate_reward(policy, trainable["lora"], reward, reward_v_head, held_out, args, eos_token_ids,
+                                  pad_token_id, width)
+    step_prompts = [[train[i] for i in idx] for epoch in range(args.num_train_epochs)
+                    for idx in prompt_batch_indices(len(train), args, epoch)]
+    stats, responses, trainable = _run(policy, trainable, reward, reward_v_head, step_prompts, args, eos_token_ids,
+                                       pad_token_id, num_training_steps(len(train), args), width)
+    eval_after = evaluate_reward(policy, trainable["lora"], reward, reward_v_head, held_out, args, eos_token_ids,
+                                 pad_token_id, width)
+    return PPOResult(stats, responses, eval_before, eval_after, lora_state_dict(trainable["lora"]),
+                     value_head_state_dict(trainable["v_head"]), time.perf_counter() - start)

@@ -1,0 +1,376 @@
+"""Record the PPO checks of the training class (grader/checks.py, methods ("ppo",)) from
+torch_sources/training/ppo.py. The shared checks come from recorder/probes/training.py; the JAX twin of
+this file is grader/probes/training_ppo.py.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from grader.workloads import (GAE_OPTIONS, KL_COEFS, KL_CONTROLLER_KLS, PPO_FIXED_STEPS_OPTIONS, PPO_TIE_STATS,
+                              ROLLOUT_SAMPLING_OPTIONS, fixed_step_runs, moved_steps, pad_rows, ppo_stats_outputs,
+                              prompt_rows)
+from recorder.probes.training import _lora_init, n, rng_for, t
+from recorder.provenance import ROOT
+
+ADAPTER_SCALE = 0.05  # lora_B of the L3/L4 step checks: a policy that differs from the reference
+
+
+def _prompts(ctx, split: str = "train") -> list[dict]:
+    return ctx.workflow.load_prompt_dataset(ROOT / ctx.cfg.family.tokenizer, ROOT / ctx.cfg.data.dir, split, ctx.args)
+
+
+def _gen_ids(ctx):
+    return ctx.workflow.generation_ids(ROOT / ctx.cfg.family.tokenizer, ctx.args)
+
+
+def _reward_model(ctx):
+    if getattr(ctx, "reward_model", None) is None:
+        ctx.reward_model = ctx.workflow.load_reward_model(ROOT / ctx.cfg.method.reward_model)
+    return ctx.reward_model
+
+
+def _adapter(ctx) -> dict[str, np.ndarray]:
+    r = rng_for("ppo_adapter")
+    return {k: (v if ".lora_A." in k else (r.standard_normal(v.shape) * ADAPTER_SCALE).astype(np.float32))
+            for k, v in _lora_init(ctx).items()}
+
+
+def _value_head(ctx) -> dict[str, np.ndarray]:
+    return ctx.workflow.init_value_head(ctx.config.hidden_size, ctx.args.seed)
+
+
+def _policy(ctx, adapter=None, v_head=None):
+    return ctx.workflow.load_policy(ctx.ckpt, ctx.args, adapter, v_head)
+
+
+def _masks(r, rows: int, width: int, lo: int, hi: int) -> np.ndarray:
+    """Rows of ones over one random contiguous span (at least two positions) each."""
+    m = np.zeros((rows, width), np.float32)
+    for i in range(rows):
+        a = int(r.integers(lo, width - 2))
+        m[i, a:int(r.integers(a + 2, min(width, a + hi) + 1))] = 1
+    return m
+
+
+# ---- L1 ----------------------------------------------------------------------------------------
+
+def probe_prompt_data(ctx):
+    ds = _prompts(ctx)
+    width = ctx.args.cutoff_len + 1
+    batch = ctx.workflow.make_collator(ctx.args, ROOT / ctx.cfg.family.tokenizer)(ds[:4])
+    return {}, {"input_ids": pad_rows([f["input_ids"][:width] for f in ds], width, -1),
+                "labels": pad_rows([f["labels"][:width] for f in ds], width, -7), "n": np.array(len(ds)),
+                "collate.input_ids": n(batch["input_ids"]).astype(np.int64),
+                "collate.attention_mask": n(batch["attention_mask"]).astype(np.int64)}
+
+
+def probe_value_head(ctx):
+    r, d = rng_for("value_head"), ctx.config.hidden_size
+    x = r.standard_normal((2, 5, d), np.float32) * 2
+    w, b = r.standard_normal((1, d), np.float32) * 0.3, r.standard_normal((1,), np.float32)
+    return {"hidden": x, "weight": w, "bias": b}, {"values": n(ctx.workflow.value_head(t(x), t(w), t(b)))}
+
+
+def _fixed_rollouts(ctx, r, num: int, lengths) -> tuple[list, list]:
+    """The first `num` train prompts and random responses of the given lengths (ids below the specials)."""
+    queries = [torch.tensor(f["input_ids"]) for f in _prompts(ctx)[:num]]
+    responses = [torch.from_numpy(r.integers(0, 400, k)) for k in lengths]
+    return queries, responses
+
+
+def _rollout_inputs(ctx, queries, responses) -> dict[str, np.ndarray]:
+    inputs = ctx.workflow.prepare_model_inputs(queries, responses, _gen_ids(ctx)[1])
+    return {**{k: n(v).astype(np.int32) for k, v in inputs.items()},
+            "query_len": np.array([len(q) for q in queries], np.int32),
+            "response_len": np.array([len(x) for x in responses], np.int32)}
+
+
+def probe_reward_score(ctx):
+    queries, responses = _fixed_rollouts(ctx, rng_for("reward_score"), 4, (16, 3, 1, 9))
+    scores = ctx.workflow.get_rewards(_reward_model(ctx), queries, responses, _gen_ids(ctx)[1])
+    return _rollout_inputs(ctx, queries, responses), {"scores": n(scores)}
+
+
+def probe_rollout_rules(ctx):
+    r, V = rng_for("rollout_rules"), ctx.config.vocab_size
+    logits = r.standard_normal((6, V), np.float32) * 3
+    noise = r.exponential(size=(6, V)).astype(np.float32)
+    out = {}
+    for name, options in {"task": {}, **ROLLOUT_SAMPLING_OPTIONS}.items():
+        out[f"tokens.{name}"] = n(ctx.workflow.sample_next_tokens(t(logits), t(noise), replace(ctx.args, **options)))
+    eos, pad = _gen_ids(ctx)
+    other = [e for e in eos if e != pad][0]
+    queries = np.array([[pad, pad, 400, 5, 6, 7, 8, 9], [400, 1, 2, 3, pad, 4, 5, 6],
+                        [pad, 400, 9, 8, 7, 6, 5, 4], [pad, pad, pad, 400, 1, 2, 3, 4]], np.int64)
+    responses = np.array([[5, 6, pad, pad, pad, pad], [7, other, pad, pad, pad, pad],
+                          [pad] * 6, [1, 2, 3, pad, 5, 6]], np.int64)
+    q, resp = ctx.workflow.trim_rollouts(t(queries), t(responses), pad, eos[0])
+    out.update({"queries": pad_rows([n(x) for x in q]), "responses": pad_rows([n(x) for x in resp])})
+    return {"logits": logits, "noise": noise, "query_ids": queries, "response_ids": responses}, out
+
+
+def probe_kl_rewards(ctx):
+    r = rng_for("kl_rewards")
+    logprobs, ref = -r.exponential(size=(3, 10)).astype(np.float32), -r.exponential(size=(3, 10)).astype(np.float32)
+    masks, scores = _masks(r, 3, 10, 0, 8), r.standard_normal(3).astype(np.float32)
+    out = {}
+    for c in KL_COEFS:
+        rewards, non_score, kls = ctx.workflow.compute_rewards(t(scores), t(logprobs), t(ref), t(masks), c)
+        out.update({f"{c}.rewards": n(rewards), f"{c}.non_score_reward": n(non_score), f"{c}.kls": n(kls)})
+    return {"scores": scores, "logprobs": logprobs, "ref_logprobs": ref, "masks": masks}, out
+
+
+def probe_gae_whiten(ctx):
+    r = rng_for("gae_whiten")
+    values, rewards = r.standard_normal((3, 12)).astype(np.float32), r.standard_normal((3, 12)).astype(np.float32)
+    masks = _masks(r, 3, 12, 1, 9)
+    out = {}
+    for name, o in GAE_OPTIONS.items():
+        v, adv, ret = ctx.workflow.compute_advantages(t(values), t(rewards), t(masks), o.get("gamma", ctx.args.gamma),
+                                                      o.get("lam", ctx.args.lam), o.get("ppo_whiten_rewards", False))
+        out.update({f"{name}.values": n(v), f"{name}.advantages": n(adv), f"{name}.returns": n(ret)})
+    out["whiten_no_shift"] = n(ctx.workflow.masked_whiten(t(rewards), t(masks), shift_mean=False))
+    return {"values": values, "rewards": rewards, "masks": masks}, out
+
+
+def _loss_case(r, V: int, ratio_shift: float):
+    old = -r.exponential(size=(2, 9)).astype(np.float32)
+    logprobs = (old + r.standard_normal((2, 9)) * 0.4 + ratio_shift).astype(np.float32)
+    values = r.standard_normal((2, 9)).astype(np.float32)
+    vpreds = (values + r.standard_normal((2, 9)) * 0.5).astype(np.float32)
+    return {"old_logprobs": old, "values": values, "logits": r.standard_normal((2, 9, V)).astype(np.float32),
+            "vpreds": vpreds, "logprobs": logprobs, "mask": _masks(r, 2, 9, 0, 8),
+            "advantages": r.standard_normal((2, 9)).astype(np.float32),
+            "returns": r.standard_normal((2, 9)).astype(np.float32)}
+
+
+LOSS_ARGS = ("old_logprobs", "values", "logits", "vpreds", "logprobs", "mask", "advantages", "returns")
+
+
+def probe_ppo_loss(ctx):
+    r, V = rng_for("ppo_loss"), ctx.config.vocab_size
+    cases = {"clipped": _loss_case(r, V, 0.0), "past_threshold": _loss_case(r, V, 3.0)}
+    inputs, out = {}, {}
+    for name, case in cases.items():
+        inputs.update({f"{name}.{k}": v for k, v in case.items()})
+        pg, vf, stats = ctx.workflow.ppo_loss(*(t(case[k]) for k in LOSS_ARGS), ctx.args)
+        out.update({f"{name}.loss_p": n(pg), f"{name}.loss_v": n(vf),
+                    **{f"{name}.{k.replace('/', '.')}": n(v) for k, v in stats.items()}})
+    return inputs, out
+
+
+def probe_kl_controller(ctx):
+    a = ctx.args
+    adaptive, fixed = (ctx.workflow.AdaptiveKLController(a.init_kl_coef, a.ppo_target, a.horizon),
+                       ctx.workflow.FixedKLController(a.init_kl_coef))
+    values = {"adaptive": [], "fixed": []}
+    for kl in KL_CONTROLLER_KLS:
+        for name, ctl in (("adaptive", adaptive), ("fixed", fixed)):
+            ctl.update(kl, a.batch_size * 1000)  # n_steps large enough that each update moves the coefficient
+            values[name].append(float(ctl.value))
+    return {"kls": np.array(KL_CONTROLLER_KLS)}, {k: np.array(v, np.float32) for k, v in values.items()}
+
+
+# ---- L3 / L4 -----------------------------------------------------------------------------------
+
+def _prompt_batch(ctx, num: int):
+    ds = _prompts(ctx)[:num]
+    batch = ctx.workflow.make_collator(ctx.args, ROOT / ctx.cfg.family.tokenizer)(ds)
+    return {k: n(v) for k, v in batch.items()}
+
+
+def _generation(ctx):
+    """Responses of the nonzero adapter for the first batch_size prompts, each mini-batch with its step-0 noise."""
+    if getattr(ctx, "ppo_generation", None) is None:
+        batch, adapter = _prompt_batch(ctx, ctx.args.batch_size), _adapter(ctx)
+        eos, pad = _gen_ids(ctx)
+        model, mb, V = _policy(ctx, adapter), ctx.args.mini_batch_size, ctx.config.vocab_size
+        noise = np.concatenate([ctx.workflow.rollout_noise(ctx.args.seed, 0, m, (mb, ctx.args.max_new_tokens, V))
+                                for m in range(ctx.args.gradient_accumulation_steps)])
+        responses = ctx.workflow.generate(model, t(batch["input_ids"]), t(batch["attention_mask"]), noise, ctx.args,
+                                          eos, pad)
+        q, r = ctx.workflow.trim_rollouts(t(batch["input_ids"]), responses, pad, eos[0])
+        ctx.ppo_generation = batch, adapter, noise, responses, q, r
+    return ctx.ppo_generation
+
+
+def probe_rollout_generate(ctx):
+    batch, adapter, noise, responses, _, r = _generation(ctx)
+    inputs = {**{k: v.astype(np.int32) for k, v in batch.items()}, "noise": noise,
+              **{f"lora.{k}": v for k, v in adapter.items()}}
+    return inputs, {"responses": n(responses).astype(np.int64),
+                    "response_len": np.array([len(x) for x in r], np.int64)}
+
+
+def _step_rollouts(ctx):
+    """Fixed rollouts for the step checks: the L3 generation's queries and responses, scored by the reward model."""
+    _, adapter, _, _, q, r = _generation(ctx)
+    scores = ctx.workflow.get_rewards(_reward_model(ctx), q, r, _gen_ids(ctx)[1])
+    return q, r, scores, adapter
+
+
+def _step_inputs(ctx, q, r, scores, adapter, v_head) -> dict[str, np.ndarray]:
+    return {**_rollout_inputs(ctx, q, r), "scores": n(scores), **{f"lora.{k}": v for k, v in adapter.items()},
+            **{f"v_head.{k}": v for k, v in v_head.items()}}
+
+
+def probe_rollout_logprobs_values(ctx):
+    q, r, scores, adapter = _step_rollouts(ctx)
+    v_head, pad = _value_head(ctx), _gen_ids(ctx)[1]
+    model = _policy(ctx, adapter, v_head)
+    inputs = ctx.workflow.prepare_model_inputs(q, r, pad)
+    with torch.no_grad():
+        logprobs, _, values, masks = ctx.workflow.batched_forward_pass(model, q, r, inputs, ctx.args.mini_batch_size)
+        with ctx.lora.disable_adapter(model):
+            ref, _, _, _ = ctx.workflow.batched_forward_pass(model, q, r, inputs, ctx.args.mini_batch_size)
+    return (_step_inputs(ctx, q, r, scores, adapter, v_head),
+            {"logprobs": n(logprobs), "values": n(values), "masks": n(masks).astype(np.float32),
+             "ref_logprobs": n(ref)})
+
+
+def _step0(ctx):
+    if getattr(ctx, "ppo_step0", None) is None:
+        q, r, scores, adapter = _step_rollouts(ctx)
+        v_head = _value_head(ctx)
+        terms, tensors, grads = ctx.workflow.ppo_step_loss_and_grads(_policy(ctx, adapter, v_head), q, r, scores,
+                                                                     ctx.args, _gen_ids(ctx)[1])
+        ctx.ppo_step0 = _step_inputs(ctx, q, r, scores, adapter, v_head), terms, tensors, grads
+    return ctx.ppo_step0
+
+
+def probe_ppo_step0_losses(ctx):
+    inputs, terms, _, _ = _step0(ctx)
+    return inputs, {k: np.float32(v) for k, v in terms.items()}
+
+
+def probe_ppo_step0_tensors(ctx):
+    inputs, _, tensors, _ = _step0(ctx)
+    return inputs, {k: np.asarray(v, np.float32) for k, v in tensors.items()}
+
+
+def probe_ppo_step0_grads(ctx):
+    inputs, _, _, grads = _step0(ctx)
+    return inputs, {k: np.asarray(v, np.float32) for k, v in grads.items()}
+
+
+def _fixed(ctx):
+    """k PPO steps from the inits on the first k prompt batches of epoch 0, under the task's args and the variant."""
+    if getattr(ctx, "ppo_fixed", None) is None:
+        ds, k = _prompts(ctx), int(ctx.cfg.method.fixed_steps)
+        steps = [[ds[i] for i in idx] for idx in ctx.workflow.prompt_batch_indices(len(ds), ctx.args, 0)[:k]]
+        init, v_head = _lora_init(ctx), _value_head(ctx)
+        eos, pad = _gen_ids(ctx)
+        runs = {}
+
+        def train(args):
+            stats, responses, lora, vh = ctx.workflow.train_steps(ctx.ckpt, ROOT / ctx.cfg.method.reward_model, init,
+                                                                  v_head, steps, args, eos, pad)
+            runs[len(runs)] = (stats, responses)
+            return [0.0], {**lora, **vh}
+
+        _, final = fixed_step_runs(train, ctx.args, PPO_FIXED_STEPS_OPTIONS)
+        inputs = {**{f"s{i}.prompts": prompt_rows(s) for i, s in enumerate(steps)},
+                  **{f"lora.{k}": v for k, v in init.items()}, **{f"v_head.{k}": v for k, v in v_head.items()}}
+        ctx.ppo_fixed = inputs, runs, final
+    return ctx.ppo_fixed
+
+
+_RUN_NAMES = ("", "decayed_linear.")  # fixed_step_runs' order: the task's args, then the variant
+
+
+def probe_ppo_fixed_steps_stats(ctx):
+    inputs, runs, _ = _fixed(ctx)
+    moved = {f"{_RUN_NAMES[i]}moved_steps": moved_steps(stats) for i, (stats, _) in runs.items()}
+    return {**inputs, **moved}, {f"{_RUN_NAMES[i]}{k}": v for i, (stats, _) in runs.items()
+                                 for k, v in ppo_stats_outputs(stats, moved[f"{_RUN_NAMES[i]}moved_steps"]).items()}
+
+
+def probe_ppo_fixed_steps_rollouts(ctx):
+    inputs, runs, _ = _fixed(ctx)
+    return inputs, {f"{_RUN_NAMES[i]}s{j}": np.asarray(r, np.int64) for i, (_, responses) in runs.items()
+                    for j, r in enumerate(responses)}
+
+
+def probe_ppo_fixed_steps_params(ctx):
+    inputs, _, final = _fixed(ctx)
+    return inputs, final
+
+
+# ---- L5 / L6 -----------------------------------------------------------------------------------
+
+def probe_ppo_e2e_stats(ctx):
+    moved = moved_steps(ctx.run().step_stats)
+    return ({"seed": np.int64(ctx.args.seed), "moved_steps": moved},
+            ppo_stats_outputs(ctx.run().step_stats, moved, PPO_TIE_STATS))
+
+
+def probe_ppo_e2e_rollouts(ctx):
+    return {"seed": np.int64(ctx.args.seed)}, {"responses": np.stack(ctx.run().step_responses).astype(np.int64)}
+
+
+def probe_ppo_e2e_value_head(ctx):
+    return {"seed": np.int64(ctx.args.seed)}, {k: np.asarray(v, np.float32) for k, v in ctx.run().value_head.items()}
+
+
+def probe_ppo_e2e_eval(ctx):
+    return {"seed": np.int64(ctx.args.seed)}, {"before": np.float32(ctx.run().eval_before)}
+
+
+def _heldout_batches(ctx) -> list[dict[str, np.ndarray]]:
+    held_out, size = _prompts(ctx, "eval"), ctx.args.per_device_eval_batch_size
+    collate = ctx.workflow.make_collator(ctx.args, ROOT / ctx.cfg.family.tokenizer)
+    return [{k: n(v).astype(np.int32) for k, v in collate(held_out[s:s + size]).items()}
+            for s in range(0, len(held_out), size)]
+
+
+def probe_heldout_reward(ctx):
+    """Inputs: the held-out prompt batches and the generation settings (the grader decodes with the
+    candidate's logits and scores with its own reward model, grader/ppo_eval.py). Output: the source's held-out
+    reward of the seed run; the band is the spread of the seed-varied runs."""
+    from grader.ppo_eval import RewardModel, decode, eval_noise, heldout_reward
+
+    runs = [ctx.run() if s == ctx.args.seed else ctx.train(s) for s in ctx.cfg.method.band_seeds]
+    rewards = [float(r.eval_after) for r in runs]
+    a, (eos, pad) = ctx.args, _gen_ids(ctx)
+    batches = _heldout_batches(ctx)
+    gen = {"gen.temperature": np.float64(a.temperature), "gen.top_k": np.int64(a.top_k),
+           "gen.top_p": np.float64(a.top_p), "gen.max_new_tokens": np.int64(a.max_new_tokens),
+           "gen.eos_token_ids": np.array(eos, np.int64), "gen.pad_token_id": np.int64(pad),
+           "gen.eval_samples": np.int64(a.eval_samples), "gen.reward_model": np.array(str(ctx.cfg.method.reward_model))}
+    inputs = {**{f"b{i}.{k}": v for i, b in enumerate(batches) for k, v in b.items()}, **gen}
+    # the grader's decoding and reward model on the source's own forward must give the source's evaluate_reward
+    model = _policy(ctx, ctx.run().lora_state_dict, ctx.run().value_head).eval()
+
+    def forward(ids, mask, pos):
+        with torch.no_grad():
+            return n(model.pretrained_model(t(ids).long(), t(mask).long(), t(pos).long()))
+
+    settings = {k[len("gen."):]: v for k, v in gen.items()}
+    produced = {f"b{i}.s{k}.responses": decode(forward, b["input_ids"], b["attention_mask"],
+                                               eval_noise(k, i, (len(b["input_ids"]), a.max_new_tokens,
+                                                                 ctx.config.vocab_size)), settings)
+                for k in range(a.eval_samples) for i, b in enumerate(batches)}
+    ours = heldout_reward(inputs, produced, RewardModel(ROOT / ctx.cfg.method.reward_model))[0]["reward"]
+    if abs(ours - ctx.run().eval_after) > 1e-4 * max(1.0, abs(ctx.run().eval_after)):
+        raise RuntimeError(f"grader/ppo_eval.py gives {ours} on the source's forward, its evaluate_reward "
+                           f"{ctx.run().eval_after}")
+    ctx.band = (min(rewards), max(rewards))
+    ctx.l6_attrs["heldout_reward"] = {"band_reward": [min(rewards), max(rewards)],
+                                      "reward_before": float(ctx.run().eval_before)}
+    return inputs, {"reward": np.float32(ctx.run().eval_after)}
+
+
+PROBES = {
+    "prompt_data": probe_prompt_data, "value_head": probe_value_head, "reward_score": probe_reward_score,
+    "rollout_rules": probe_rollout_rules, "kl_rewards": probe_kl_rewards, "gae_whiten": probe_gae_whiten,
+    "ppo_loss": probe_ppo_loss, "kl_controller": probe_kl_controller, "rollout_generate": probe_rollout_generate,
+    "rollout_logprobs_values": probe_rollout_logprobs_values, "ppo_step0_losses": probe_ppo_step0_losses,
+    "ppo_step0_tensors": probe_ppo_step0_tensors, "ppo_step0_grads": probe_ppo_step0_grads,
+    "ppo_fixed_steps_stats": probe_ppo_fixed_steps_stats, "ppo_fixed_steps_rollouts": probe_ppo_fixed_steps_rollouts,
+    "ppo_fixed_steps_params": probe_ppo_fixed_steps_params, "ppo_e2e_stats": probe_ppo_e2e_stats,
+    "ppo_e2e_rollouts": probe_ppo_e2e_rollouts, "ppo_e2e_value_head": probe_ppo_e2e_value_head,
+    "ppo_e2e_eval": probe_ppo_e2e_eval, "heldout_reward": probe_heldout_reward,
+}
