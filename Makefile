@@ -69,9 +69,10 @@ test: venv sandbox    ## the CI suite: fast tests + the static independence cont
 test-full: venv sandbox   ## everything, slow tests included (every recorded task graded)
 	$(PYTEST) -m "not gpu"
 
-bench: venv           ## torch vs JAX, side by side: SFT and DPO step time; serving decode tokens/s (both families)
+bench: venv           ## torch vs JAX, side by side: SFT, DPO and PPO step time; serving decode tokens/s (both families)
 	$(PY) bench/bench_sft.py
 	$(PY) bench/bench_dpo.py
+	$(PY) bench/bench_ppo.py
 	$(PY) bench/bench_serving.py --family llama3
 	$(PY) bench/bench_serving.py --family gemma4
 
