@@ -169,7 +169,8 @@ def test_ppo_step_first_minibatch_matches_trl_math():
     pg = (-adv[mb] * mm).sum() / mm.sum()
     vf = 0.5 * (((x["values"][mb] - returns[mb]) ** 2) * mm).sum() / mm.sum()
     assert terms["policy"] == pytest.approx(pg, rel=1e-4, abs=1e-6)
-    assert terms["value"] == pytest.approx(args.vf_coef * vf, rel=1e-4)
+    assert terms["value"] == pytest.approx(vf, rel=1e-4)  # TRL logs loss/value before vf_coef
+    assert terms["total"] == pytest.approx(pg + args.vf_coef * vf, rel=1e-4, abs=1e-6)
 
 
 def test_grader_reward_model_matches_the_torch_source():
