@@ -32,7 +32,7 @@ import re
 
 import numpy as np
 
-__all__ = ["ADAPTER_KEY", "HELDOUT_KEY", "PREFERENCE_KEY", "SCORERS", "IGNORE_INDEX", "HeldoutError",
+__all__ = ["ADAPTER_KEY", "HELDOUT_KEY", "PREFERENCE_KEY", "REWARD_KEY", "SCORERS", "IGNORE_INDEX", "HeldoutError",
            "adapter_inputs", "batch_loss", "child_inputs", "eval_loss", "heldout_loss", "sequence_logps",
            "preference_batch", "preference_metrics", "heldout_preference"]
 
@@ -40,6 +40,7 @@ IGNORE_INDEX = -100
 ADAPTER_KEY = "L5/e2e_adapter"  # whose produced outputs the L6 child runs with
 HELDOUT_KEY = "L6/heldout_loss"
 PREFERENCE_KEY = "L6/heldout_preference"
+REWARD_KEY = "L6/heldout_reward"  # PPO: scored by grader/ppo_eval.py
 _BATCH = re.compile(r"b(\d+)\.(\w+)")
 
 
@@ -200,8 +201,7 @@ def _heldout_loss_values(recorded: dict, produced: dict) -> tuple[dict[str, floa
 def _heldout_reward_values(recorded: dict, produced: dict) -> tuple[dict[str, float], list[tuple[int, ...]]]:
     from pathlib import Path
 
-    from grader.ppo_eval import REWARD_KEY, RewardModel, heldout_reward
-    del REWARD_KEY
+    from grader.ppo_eval import RewardModel, heldout_reward  # numpy too; imported when a PPO reference is scored
     root = Path(__file__).resolve().parents[1]  # the reward checkpoint is the grader's own asset
     return heldout_reward(recorded, produced, RewardModel(root / str(recorded["gen.reward_model"])))
 
@@ -209,4 +209,4 @@ def _heldout_reward_values(recorded: dict, produced: dict) -> tuple[dict[str, fl
 # L6 check key -> what the grader computes from the child's logits: ({metric: value}, logits shapes). Each
 # metric is banded by the check's recorded `band_<metric>` attribute (the reference's /L6/band for "loss").
 SCORERS = {HELDOUT_KEY: _heldout_loss_values, PREFERENCE_KEY: heldout_preference,
-           "L6/heldout_reward": _heldout_reward_values}
+           REWARD_KEY: _heldout_reward_values}

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
+from grader.heldout import REWARD_KEY, HeldoutError
+
 __all__ = ["REWARD_KEY", "EVAL_STREAM", "eval_noise", "warp_probs", "decode", "trim_rollouts", "RewardModel",
            "heldout_reward"]
 
-REWARD_KEY = "L6/heldout_reward"
 EVAL_STREAM = 4  # np.random.default_rng([EVAL_STREAM, sample, batch]): ppo.py's _EVAL stream
 _RESPONSES = re.compile(r"b(\d+)\.s(\d+)\.responses")
 
@@ -51,26 +52,42 @@ def warp_probs(logits, temperature: float, top_k: int, top_p: float) -> np.ndarr
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def decode(forward, input_ids, attention_mask, noise, gen: dict) -> np.ndarray:
-    """Sampled responses i64[B, N] from left-padded prompts [B, P]: forward(ids, mask, position_ids) -> logits
-    [B, P + N, V] on a fixed buffer (causal: the logits at P + t - 1 see only the first P + t tokens); the
-    exponential race argmax(p / noise[:, t]); after a row's eos, pad. Positions: mask cumsum - 1, 1 on pads."""
+def _draw(logits, noise, finished, gen: dict) -> np.ndarray:
+    """One decode step's tokens from the step's logits f[B, V]: the exponential race, pad after a row's eos."""
+    probs = warp_probs(logits, float(gen["temperature"]), int(gen["top_k"]), float(gen["top_p"]))
+    return np.where(finished, int(gen["pad_token_id"]), np.argmax(probs / noise, axis=-1))
+
+
+def decode(forward, input_ids, attention_mask, noise, gen: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(sampled responses i64[B, N], the logits each token was drawn from f32[B, N, V]) from left-padded prompts
+    [B, P]: forward(ids, mask, position_ids) -> logits [B, P + N, V] on a fixed buffer (causal: the logits at
+    P + t - 1 see only the first P + t tokens); the exponential race argmax(p / noise[:, t]); after a row's
+    eos, pad. Positions: mask cumsum - 1, 1 on pads."""
     ids, mask = np.asarray(input_ids, np.int64), np.asarray(attention_mask, np.int64)
     B, P = ids.shape
     N, pad = int(gen["max_new_tokens"]), int(gen["pad_token_id"])
     eos = np.asarray(gen["eos_token_ids"], np.int64)
     ids = np.concatenate([ids, np.full((B, N), pad, np.int64)], axis=1)
     mask = np.concatenate([mask, np.zeros((B, N), np.int64)], axis=1)
-    finished = np.zeros(B, bool)
+    finished, steps = np.zeros(B, bool), []
     for t in range(N):
         position_ids = np.where(mask == 0, 1, np.cumsum(mask, axis=-1) - 1)
-        logits = np.asarray(forward(ids, mask, position_ids))[:, P + t - 1]
-        probs = warp_probs(logits, float(gen["temperature"]), int(gen["top_k"]), float(gen["top_p"]))
-        token = np.argmax(probs / noise[:, t], axis=-1)
-        token = np.where(finished, pad, token)
+        steps.append(np.asarray(forward(ids, mask, position_ids), np.float32)[:, P + t - 1])
+        token = _draw(steps[-1], noise[:, t], finished, gen)
         finished |= np.isin(token, eos)
         ids[:, P + t], mask[:, P + t] = token, 1
-    return ids[:, P:]
+    return ids[:, P:], np.stack(steps, axis=1)
+
+
+def redraw(logits, noise, gen: dict) -> np.ndarray:
+    """The tokens `decode` draws from per-step logits f[B, N, V] and noise f32[B, N, V]: the parent's check that
+    the child's responses are the draws of its logits (code in the child can be patched; this cannot)."""
+    eos = np.asarray(gen["eos_token_ids"], np.int64)
+    finished, tokens = np.zeros(logits.shape[0], bool), []
+    for t in range(logits.shape[1]):
+        tokens.append(_draw(logits[:, t], noise[:, t], finished, gen))
+        finished |= np.isin(tokens[-1], eos)
+    return np.stack(tokens, axis=1)
 
 
 def trim_rollouts(query_ids, response_ids, pad_token_id: int, eos_token_id: int):
@@ -166,14 +183,13 @@ class RewardModel:
 
 def heldout_reward(recorded: dict, produced: dict, reward_model: RewardModel) -> tuple[dict[str, float], list]:
     """({"reward": mean score over every held-out response}, response shapes) from the recorded prompt batches
-    b<i>.input_ids and the child's b<i>.s<k>.responses; HeldoutError-like ValueError when they are malformed."""
-    from grader.heldout import HeldoutError
-
+    b<i>.input_ids and the child's b<i>.s<k>.responses and .logits (each token's step logits); HeldoutError when
+    they are malformed or the responses are not the race's draws from those logits under eval_noise."""
     gen = {k[len("gen."):]: recorded[k] for k in recorded if k.startswith("gen.")}
     num_batches = len([k for k in recorded if re.fullmatch(r"b\d+\.input_ids", k)])
     samples, N = int(gen["eval_samples"]), int(gen["max_new_tokens"])
     vocab = int(reward_model.c["vocab_size"])
-    expected = {f"b{i}.s{k}.responses" for i in range(num_batches) for k in range(samples)}
+    expected = {f"b{i}.s{k}.{f}" for i in range(num_batches) for k in range(samples) for f in ("responses", "logits")}
     if set(produced) != expected:
         missing, extra = sorted(expected - set(produced)), sorted(set(produced) - expected)
         raise HeldoutError(f"held-out responses: missing {missing[:3]}, unexpected {extra[:3]}")
@@ -185,6 +201,12 @@ def heldout_reward(recorded: dict, produced: dict, reward_model: RewardModel) ->
             if r.dtype.kind not in "iu" or r.shape != (len(prompts), N) or r.min(initial=0) < 0 or r.max(initial=0) >= vocab:
                 raise HeldoutError(f"b{i}.s{k}.responses is {r.dtype}{list(r.shape)}; expected token ids "
                                    f"[{len(prompts)}, {N}] in [0, {vocab})")
+            x = np.asarray(produced[f"b{i}.s{k}.logits"])
+            if x.dtype.kind != "f" or x.shape != (len(prompts), N, vocab) or not np.all(np.isfinite(x)):
+                raise HeldoutError(f"b{i}.s{k}.logits is {x.dtype}{list(x.shape)}; expected finite "
+                                   f"[{len(prompts)}, {N}, {vocab}]")
+            if not np.array_equal(redraw(x, eval_noise(k, i, x.shape), gen), r):
+                raise HeldoutError(f"b{i}.s{k}.responses are not the draws of its logits under the grader's noise")
             q, resp = trim_rollouts(prompts, r, int(gen["pad_token_id"]), int(np.ravel(gen["eos_token_ids"])[0]))
             scores.append(reward_model.scores(q, resp, int(gen["pad_token_id"])))
             shapes.append(tuple(r.shape))

@@ -16,7 +16,7 @@ __all__ = ["SAMPLED", "FINISH_CODES", "TOP_LOGPROBS", "sampled_params", "branch_
            "pad_rows", "unpad_rows", "dense_logprobs", "prompt_logprob_arrays", "run_long_decode", "long_decode_config",
            "FIXED_STEPS_VARIANT", "FIXED_STEPS_OPTIONS", "DPO_FIXED_STEPS_OPTIONS", "DATA_VARIANTS", "data_fields", "tied_checkpoint",
            "fixed_step_runs", "TIE_METRICS", "rewarded_steps", "dpo_trajectory_outputs", "dpo_eval_outputs",
-           "PPO_FIXED_STEPS_OPTIONS", "PPO_TIE_STATS", "PPO_NOISE_STATS", "PPO_MOVED_STATS", "moved_steps", "ppo_stats_outputs", "prompt_rows", "prompt_features",
+           "PPO_FIXED_STEPS_OPTIONS", "PPO_TIE_STATS", "PPO_NOISE_STATS", "PPO_MOVED_STATS", "moved_steps", "ppo_stats_outputs", "ppo_fixed_step_runs", "ppo_fixed_step_outputs", "prompt_rows", "prompt_features",
            "ROLLOUT_SAMPLING_OPTIONS", "GAE_OPTIONS", "KL_COEFS", "KL_CONTROLLER_KLS"]
 
 # The L5 sampled workload: every optional stage of the sampler at once.
@@ -52,6 +52,24 @@ ROLLOUT_SAMPLING_OPTIONS = {"k_only": {"temperature": 1.3, "top_k": 5, "top_p": 
 GAE_OPTIONS = {"task": {}, "g09_l08": {"gamma": 0.9, "lam": 0.8}, "whitened": {"ppo_whiten_rewards": True}}
 KL_COEFS = (0.2, 0.05)
 KL_CONTROLLER_KLS = (0.5, 6.0, 7.0, 9.0, 30.0)  # below, at, inside and past the +-20% clip around target 6
+
+
+def ppo_fixed_step_runs(train_steps, args) -> dict[str, tuple]:
+    """The L4 PPO fixed-steps runs, {"": the task's args, "decayed_linear.": PPO_FIXED_STEPS_OPTIONS}, each
+    train_steps(args) -> (stats, responses, adapter, value head) (each side's own trainer)."""
+    from dataclasses import replace
+    return {name: train_steps(replace(args, **options))
+            for name, options in {"": {}, f"{FIXED_STEPS_VARIANT}.": PPO_FIXED_STEPS_OPTIONS}.items()}
+
+
+def ppo_fixed_step_outputs(runs: dict, moved: dict) -> tuple[dict, dict, dict]:
+    """(stats, rollouts, params) outputs of ppo_fixed_step_runs; moved: {"<run>moved_steps": steps}."""
+    stats = {f"{name}{k}": v for name, (s, _, _, _) in runs.items()
+             for k, v in ppo_stats_outputs(s, moved[f"{name}moved_steps"]).items()}
+    rollouts = {f"{name}s{j}": np.asarray(r, np.int64) for name, (_, rs, _, _) in runs.items() for j, r in enumerate(rs)}
+    params = {f"{name}{k}": np.asarray(v, np.float32) for name, (_, _, lora, vh) in runs.items()
+              for k, v in {**lora, **vh}.items()}
+    return stats, rollouts, params
 
 
 def moved_steps(step_stats: dict) -> np.ndarray:

@@ -187,13 +187,21 @@ def test_heldout_reward_rejects_malformed_responses():
     ref = read_reference(ROOT / "references/llama3-ppo.h5")
     rec = ref.checks["L6/heldout_reward"].inputs
     rm = ppo_eval.RewardModel(REWARD)
-    n = int(rec["gen.max_new_tokens"])
-    good = {f"b{i}.s{k}.responses": np.zeros((len(rec[f"b{i}.input_ids"]), n), np.int64)
-            for i in range(6) for k in range(int(rec["gen.eval_samples"]))}
+    n, gen = int(rec["gen.max_new_tokens"]), {k[4:]: v for k, v in rec.items() if k.startswith("gen.")}
+    good = {}
+    for i in range(6):
+        for k in range(int(rec["gen.eval_samples"])):
+            logits = np.random.default_rng([i, k]).standard_normal((len(rec[f"b{i}.input_ids"]), n, 512)).astype(np.float32)
+            good[f"b{i}.s{k}.logits"] = logits
+            good[f"b{i}.s{k}.responses"] = ppo_eval.redraw(logits, ppo_eval.eval_noise(k, i, logits.shape), gen)
     assert np.isfinite(ppo_eval.heldout_reward(rec, good, rm)[0]["reward"])
     from grader.heldout import HeldoutError
+    # a child whose decoding was patched to return the tokens the reward model likes best (here: one repeated id)
+    # rather than the draws of its logits
+    patched = {**good, "b0.s0.responses": np.full((4, n), int(good["b0.s0.responses"][0, 0]) ^ 1, np.int64)}
     for bad in ({**good, "b0.s0.responses": np.full((4, n), 10_000)}, {k: v for k, v in good.items() if k != "b0.s0.responses"},
-                {**good, "b0.s0.responses": np.zeros((4, n + 1), np.int64)}):
+                {**good, "b0.s0.responses": np.zeros((4, n + 1), np.int64)}, patched,
+                {**good, "b0.s0.logits": np.full((4, n, 512), np.nan, np.float32)}):
         with pytest.raises(HeldoutError):
             ppo_eval.heldout_reward(rec, bad, rm)
 
@@ -203,3 +211,53 @@ def test_ppo_raised_the_heldout_reward():
     rec = read_reference(ROOT / "references/llama3-ppo.h5").checks["L6/heldout_reward"]
     lo, hi = rec.attrs["band_reward"]
     assert rec.attrs["reward_before"] < lo <= float(rec.outputs["reward"]) <= hi
+
+
+@pytest.mark.parametrize("mod", [t_ppo, j_ppo], ids=["torch", "jax"])
+@pytest.mark.parametrize("option", [{"kl_penalty": "abs"}, {"ppo_score_norm": True}, {"value_head_dropout": 0.1}])
+def test_unimplemented_options_are_refused(mod, option):
+    with pytest.raises(NotImplementedError):
+        mod.PPOArgs(**option)
+
+
+def test_masked_var_refuses_an_empty_mask():
+    with pytest.raises(ValueError, match="empty"):
+        t_ppo.masked_var(torch.ones(3), torch.zeros(3))
+
+
+@pytest.mark.sandbox
+def test_a_candidate_that_patches_the_grader_decoder_scores_zero_at_l6(tmp_path):
+    """Code in the child can reach the grader's decoder: this candidate replaces it, on import, with one that
+    returns the tokens it likes (one repeated id) beside its honest logits. The parent redraws the tokens from
+    those logits under its own noise, sees they differ, and gives L6 nothing."""
+    import shutil
+
+    from grader.app import grade
+    from recorder.app import compose_task
+
+    cand = tmp_path / "cand"
+    for tree in ("jax_oracles", "serving_engine", "conversion"):
+        shutil.copytree(ROOT / tree, cand / tree, ignore=shutil.ignore_patterns("__pycache__"))
+    model = cand / "jax_oracles/models/llama3.py"  # imported when the child starts, before any probe runs
+    model.write_text(model.read_text() + '''
+
+def _patch_grader_decoder():
+    try:
+        import grader.ppo_eval as pe
+    except ImportError:
+        return
+    honest = pe.decode
+
+    def decode(*a, **k):
+        responses, logits = honest(*a, **k)
+        return responses * 0 + 7, logits
+
+    pe.decode = decode
+
+
+_patch_grader_decoder()
+''')
+    report = grade(compose_task("llama3-ppo"), cand, ROOT / "references", tmp_path / "reports", quiet=True,
+                   levels=("L5", "L6"))
+    (l6,) = [c for c in report["checks"] if c["name"] == "heldout_reward"]
+    assert l6["score"] == 0.0 and "not the draws" in (l6["reason"] or ""), l6

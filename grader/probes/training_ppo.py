@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from grader.probes.training import _lora_from_inputs, n
-from grader.workloads import (GAE_OPTIONS, KL_COEFS, PPO_FIXED_STEPS_OPTIONS, PPO_TIE_STATS, ROLLOUT_SAMPLING_OPTIONS,
-                              fixed_step_runs, pad_rows, ppo_stats_outputs, prompt_features)
+from grader.workloads import (GAE_OPTIONS, KL_COEFS, PPO_TIE_STATS, ROLLOUT_SAMPLING_OPTIONS, pad_rows,
+                              ppo_fixed_step_outputs, ppo_fixed_step_runs, ppo_stats_outputs, prompt_features)
 
 LOSS_ARGS = ("old_logprobs", "values", "logits", "vpreds", "logprobs", "mask", "advantages", "returns")
 
@@ -56,8 +56,13 @@ def _reward(ctx):
 
 
 def probe_reward_score(ctx, inp):
+    """The recorded rows split back into queries and responses, joined again by the candidate's own
+    prepare_model_inputs, then scored."""
     reward, v_head = _reward(ctx)
-    inputs = {k: inp[k] for k in ("input_ids", "attention_mask")}
+    ids, q_len, r_len = (np.asarray(inp[k]) for k in ("input_ids", "query_len", "response_len"))
+    queries = [row[:q] for row, q in zip(ids, q_len)]
+    responses = [row[q:q + r] for row, q, r in zip(ids, q_len, r_len)]
+    inputs = ctx.workflow.prepare_model_inputs(queries, responses, _gen_ids(ctx)[1])
     return {"scores": n(ctx.workflow.get_rewards(reward, v_head, inputs))}
 
 
@@ -155,42 +160,29 @@ def probe_ppo_step0_grads(ctx, inp):
     return {k: np.asarray(v, np.float32) for k, v in _step0(ctx, inp)[2].items()}
 
 
-_RUN_NAMES = ("", "decayed_linear.")
-
-
 def _fixed(ctx, inp):
     if getattr(ctx, "ppo_fixed", None) is None:
         num = len([k for k in inp if k.endswith(".prompts") and k.startswith("s")])
         steps = [prompt_features(inp[f"s{i}.prompts"]) for i in range(num)]
         init, v_head = _lora_from_inputs(inp), _v_head_from_inputs(inp)
         eos, pad = _gen_ids(ctx)
-        runs = {}
-
-        def train(args):
-            stats, responses, lora, vh = ctx.workflow.train_steps(ctx.assets["checkpoint"], ctx.assets["reward_model"],
-                                                                  init, v_head, steps, args, eos, pad)
-            runs[len(runs)] = (stats, responses)
-            return [0.0], {**lora, **vh}
-
-        _, final = fixed_step_runs(train, ctx.args, PPO_FIXED_STEPS_OPTIONS)
-        ctx.ppo_fixed = runs, final
+        runs = ppo_fixed_step_runs(lambda args: ctx.workflow.train_steps(
+            ctx.assets["checkpoint"], ctx.assets["reward_model"], init, v_head, steps, args, eos, pad), ctx.args)
+        # the moved steps are the reference's: every check of this run gets the same recorded inputs
+        ctx.ppo_fixed = ppo_fixed_step_outputs(runs, {k: inp[k] for k in inp if k.endswith("moved_steps")})
     return ctx.ppo_fixed
 
 
 def probe_ppo_fixed_steps_stats(ctx, inp):
-    runs, _ = _fixed(ctx, inp)
-    return {f"{_RUN_NAMES[i]}{k}": v for i, (stats, _) in runs.items()
-            for k, v in ppo_stats_outputs(stats, inp[f"{_RUN_NAMES[i]}moved_steps"]).items()}
+    return _fixed(ctx, inp)[0]
 
 
 def probe_ppo_fixed_steps_rollouts(ctx, inp):
-    runs, _ = _fixed(ctx, inp)
-    return {f"{_RUN_NAMES[i]}s{j}": np.asarray(r, np.int64) for i, (_, responses) in runs.items()
-            for j, r in enumerate(responses)}
+    return _fixed(ctx, inp)[1]
 
 
 def probe_ppo_fixed_steps_params(ctx, inp):
-    return _fixed(ctx, inp)[1]
+    return _fixed(ctx, inp)[2]
 
 
 # ---- L5 / L6 -----------------------------------------------------------------------------------
@@ -229,7 +221,8 @@ def probe_heldout_reward(ctx, inp):
         for i in range(num_batches):
             ids, mask = np.asarray(inp[f"b{i}.input_ids"]), np.asarray(inp[f"b{i}.attention_mask"])
             noise = eval_noise(k, i, (len(ids), int(gen["max_new_tokens"]), vocab))
-            out[f"b{i}.s{k}.responses"] = decode(lambda a, b, c: n(apply(a, b, c)), ids, mask, noise, gen).astype(np.int64)
+            responses, logits = decode(lambda a, b, c: n(apply(a, b, c)), ids, mask, noise, gen)
+            out[f"b{i}.s{k}.responses"], out[f"b{i}.s{k}.logits"] = responses.astype(np.int64), logits
     return out
 
 

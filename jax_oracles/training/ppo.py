@@ -34,7 +34,7 @@ from .processor import preprocess_unsupervised_dataset
 from .sft import CausalLM, TrainArgs, _fixed_tokenizer, load_model, lora_config
 
 __all__ = ["PPOArgs", "PPOResult", "STATS", "VALUE_HEAD_FILE", "load_prompt_dataset", "make_collator",
-           "prompt_batch_indices", "num_training_steps", "init_value_head", "value_head", "ValueHead",
+           "prompt_batch_indices", "num_training_steps", "init_value_head", "value_head",
            "CausalLMWithValueHead", "load_policy", "load_reward_model", "value_head_state_dict",
            "load_value_head_state_dict", "generation_ids", "rollout_noise", "eval_noise", "warp_logits", "sample_next_tokens",
            "generate", "trim_rollouts", "prepare_model_inputs", "get_rewards", "logprobs_from_logits",
@@ -150,18 +150,9 @@ def value_head(hidden, weight, bias):
     return jnp.einsum("...d,d->...", hidden.astype(jnp.float32), weight[0]) + bias[0]
 
 
-@dataclass(frozen=True)
-class ValueHead:
-    """The value head's tree: {"summary": {"weight": f32[1, D], "bias": f32[1]}} (torch layout)."""
-
-    hidden_size: int
-
-    def __call__(self, tree: dict, hidden):
-        return value_head(hidden, tree["summary"]["weight"], tree["summary"]["bias"])
-
-
 def load_value_head_state_dict(state_dict: dict) -> dict:
-    """{"v_head.summary.weight", "v_head.summary.bias"} -> the value-head tree."""
+    """{"v_head.summary.weight", "v_head.summary.bias"} -> the value-head tree {"summary": {"weight": f32[1, D],
+    "bias": f32[1]}} (torch layout)."""
     expected = {"v_head.summary.weight", "v_head.summary.bias"}
     if set(state_dict) != expected:
         raise KeyError(f"value head names differ: expected {sorted(expected)}, got {sorted(state_dict)}")
@@ -330,11 +321,15 @@ def _scores(reward: CausalLMWithValueHead, reward_v_head, model_inputs):
     return jnp.take_along_axis(values, last[:, None], axis=-1)[:, 0]
 
 
+@functools.lru_cache(maxsize=None)
+def _scores_fn(module):
+    return jax.jit(lambda params, v_head, inputs: _scores(CausalLMWithValueHead(module, params), v_head, inputs))
+
+
 def get_rewards(reward_model, reward_v_head, model_inputs: dict):
     """The reward model's value at attention_mask.sum - 1 of right-padded query + response -> f32[B]."""
-    fn = jax.jit(lambda params, v_head, inputs: _scores(CausalLMWithValueHead(reward_model.module, params), v_head,
-                                                         inputs))
-    return fn(reward_model.params, reward_v_head, {k: jnp.asarray(v, jnp.int32) for k, v in model_inputs.items()})
+    return _scores_fn(reward_model.module)(reward_model.params, reward_v_head,
+                                           {k: jnp.asarray(v, jnp.int32) for k, v in model_inputs.items()})
 
 
 # ---- TRL's step (pure jnp) -----------------------------------------------------------------------
@@ -367,13 +362,10 @@ def masked_mean(values, mask, axis=None):
     return jnp.sum(values * mask, axis=axis) / jnp.sum(mask, axis=axis)
 
 
-def masked_var(values, mask, unbiased: bool = True):
-    mean = masked_mean(values, mask)
-    variance = masked_mean((values - mean) ** 2, mask)
-    if unbiased:
-        n = jnp.sum(mask)
-        variance = variance * (n / (n - 1))
-    return variance
+def masked_var(values, mask):
+    """TRL's unbiased masked variance (the only form its PPO uses): times n / (n - 1), n = mask.sum()."""
+    n = jnp.sum(mask)
+    return masked_mean((values - masked_mean(values, mask)) ** 2, mask) * (n / (n - 1))
 
 
 def masked_whiten(values, mask, shift_mean: bool = True):
@@ -553,20 +545,25 @@ def ppo_step(policy, trainable, opt_state, kl_coef, batch: dict, args: PPOArgs, 
                                       jnp.asarray(_minibatch_orders(args, step, batch["input_ids"].shape[0])))
 
 
+def _first_minibatch(module, args, params, trainable, kl_coef, batch):
+    policy = CausalLMWithValueHead(module, params)
+    data = _step_batch(policy, args, trainable["lora"], trainable["v_head"], batch, kl_coef)
+    mbatch = {k: v[:args.mini_batch_size] for k, v in data.items() if jnp.ndim(v) >= 1}
+    (_, stats), grads = jax.value_and_grad(lambda t: _minibatch_loss(policy, args, t, mbatch), has_aux=True)(trainable)
+    return stats, data, grads
+
+
+@functools.lru_cache(maxsize=None)
+def _first_minibatch_fn(module, args):
+    return jax.jit(functools.partial(_first_minibatch, module, args))
+
+
 def ppo_step_loss_and_grads(policy, trainable, batch: dict, args: PPOArgs, kl_coef: float | None = None):
     """The step's first mini-batch (rows 0..mini_batch_size-1), no update -> (loss terms, batch tensors,
     grads {PEFT / v_head name: array, torch layout}), as the torch twin."""
-    kl = args.init_kl_coef if kl_coef is None else kl_coef
-
-    def fn(params, trainable, batch):
-        policy_ = CausalLMWithValueHead(policy.module, params)
-        data = _step_batch(policy_, args, trainable["lora"], trainable["v_head"], batch, kl)
-        mbatch = {k: v[:args.mini_batch_size] for k, v in data.items() if jnp.ndim(v) >= 1}
-        (_, stats), grads = jax.value_and_grad(lambda t: _minibatch_loss(policy_, args, t, mbatch), has_aux=True)(
-            trainable)
-        return stats, data, grads
-
-    stats, data, grads = jax.jit(fn)(policy.params, trainable, {k: jnp.asarray(v) for k, v in batch.items()})
+    kl = jnp.asarray(args.init_kl_coef if kl_coef is None else kl_coef, jnp.float32)
+    stats, data, grads = _first_minibatch_fn(policy.module, args)(policy.params, trainable, kl,
+                                                                  {k: jnp.asarray(v) for k, v in batch.items()})
     terms = {k: float(stats[f"loss/{k}"]) for k in ("policy", "value", "total")}
     tensors = {k: np.asarray(data[k]) for k in ("logprobs", "ref_logprobs", "values", "masks", "advantages",
                                                 "returns", "kls")}

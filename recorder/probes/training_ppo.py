@@ -9,8 +9,8 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from grader.workloads import (GAE_OPTIONS, KL_COEFS, KL_CONTROLLER_KLS, PPO_FIXED_STEPS_OPTIONS, PPO_TIE_STATS,
-                              ROLLOUT_SAMPLING_OPTIONS, fixed_step_runs, moved_steps, pad_rows, ppo_stats_outputs,
+from grader.workloads import (GAE_OPTIONS, KL_COEFS, KL_CONTROLLER_KLS, PPO_TIE_STATS, ROLLOUT_SAMPLING_OPTIONS,
+                              moved_steps, pad_rows, ppo_fixed_step_outputs, ppo_fixed_step_runs, ppo_stats_outputs,
                               prompt_rows)
 from recorder.probes.training import _lora_init, n, rng_for, t
 from recorder.provenance import ROOT
@@ -263,40 +263,29 @@ def _fixed(ctx):
         steps = [[ds[i] for i in idx] for idx in ctx.workflow.prompt_batch_indices(len(ds), ctx.args, 0)[:k]]
         init, v_head = _lora_init(ctx), _value_head(ctx)
         eos, pad = _gen_ids(ctx)
-        runs = {}
-
-        def train(args):
-            stats, responses, lora, vh = ctx.workflow.train_steps(ctx.ckpt, ROOT / ctx.cfg.method.reward_model, init,
-                                                                  v_head, steps, args, eos, pad)
-            runs[len(runs)] = (stats, responses)
-            return [0.0], {**lora, **vh}
-
-        _, final = fixed_step_runs(train, ctx.args, PPO_FIXED_STEPS_OPTIONS)
+        runs = ppo_fixed_step_runs(lambda args: ctx.workflow.train_steps(
+            ctx.ckpt, ROOT / ctx.cfg.method.reward_model, init, v_head, steps, args, eos, pad), ctx.args)
+        moved = {f"{name}moved_steps": moved_steps(stats) for name, (stats, *_) in runs.items()}
         inputs = {**{f"s{i}.prompts": prompt_rows(s) for i, s in enumerate(steps)},
-                  **{f"lora.{k}": v for k, v in init.items()}, **{f"v_head.{k}": v for k, v in v_head.items()}}
-        ctx.ppo_fixed = inputs, runs, final
+                  **{f"lora.{k}": v for k, v in init.items()}, **{f"v_head.{k}": v for k, v in v_head.items()},
+                  **moved}  # every check of these runs carries them: the twin's cache may be built by any
+        ctx.ppo_fixed = inputs, ppo_fixed_step_outputs(runs, moved)
     return ctx.ppo_fixed
 
 
-_RUN_NAMES = ("", "decayed_linear.")  # fixed_step_runs' order: the task's args, then the variant
-
-
 def probe_ppo_fixed_steps_stats(ctx):
-    inputs, runs, _ = _fixed(ctx)
-    moved = {f"{_RUN_NAMES[i]}moved_steps": moved_steps(stats) for i, (stats, _) in runs.items()}
-    return {**inputs, **moved}, {f"{_RUN_NAMES[i]}{k}": v for i, (stats, _) in runs.items()
-                                 for k, v in ppo_stats_outputs(stats, moved[f"{_RUN_NAMES[i]}moved_steps"]).items()}
+    inputs, (stats, _, _) = _fixed(ctx)
+    return inputs, stats
 
 
 def probe_ppo_fixed_steps_rollouts(ctx):
-    inputs, runs, _ = _fixed(ctx)
-    return inputs, {f"{_RUN_NAMES[i]}s{j}": np.asarray(r, np.int64) for i, (_, responses) in runs.items()
-                    for j, r in enumerate(responses)}
+    inputs, (_, rollouts, _) = _fixed(ctx)
+    return inputs, rollouts
 
 
 def probe_ppo_fixed_steps_params(ctx):
-    inputs, _, final = _fixed(ctx)
-    return inputs, final
+    inputs, (_, _, params) = _fixed(ctx)
+    return inputs, params
 
 
 # ---- L5 / L6 -----------------------------------------------------------------------------------
@@ -349,10 +338,12 @@ def probe_heldout_reward(ctx):
             return n(model.pretrained_model(t(ids).long(), t(mask).long(), t(pos).long()))
 
     settings = {k[len("gen."):]: v for k, v in gen.items()}
-    produced = {f"b{i}.s{k}.responses": decode(forward, b["input_ids"], b["attention_mask"],
-                                               eval_noise(k, i, (len(b["input_ids"]), a.max_new_tokens,
-                                                                 ctx.config.vocab_size)), settings)
-                for k in range(a.eval_samples) for i, b in enumerate(batches)}
+    produced = {}
+    for k in range(a.eval_samples):
+        for i, b in enumerate(batches):
+            noise = eval_noise(k, i, (len(b["input_ids"]), a.max_new_tokens, ctx.config.vocab_size))
+            responses, logits = decode(forward, b["input_ids"], b["attention_mask"], noise, settings)
+            produced.update({f"b{i}.s{k}.responses": responses, f"b{i}.s{k}.logits": logits})
     ours = heldout_reward(inputs, produced, RewardModel(ROOT / ctx.cfg.method.reward_model))[0]["reward"]
     if abs(ours - ctx.run().eval_after) > 1e-4 * max(1.0, abs(ctx.run().eval_after)):
         raise RuntimeError(f"grader/ppo_eval.py gives {ours} on the source's forward, its evaluate_reward "

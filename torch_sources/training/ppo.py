@@ -52,7 +52,7 @@ from .processor import preprocess_unsupervised_dataset
 from .sft import TrainArgs, _fixed_tokenizer, load_model, lora_config
 
 __all__ = ["PPOArgs", "PPOResult", "STATS", "VALUE_HEAD_FILE", "load_prompt_dataset", "make_collator",
-           "prompt_batch_indices", "num_training_steps", "init_value_head", "value_head", "ValueHead",
+           "prompt_batch_indices", "num_training_steps", "init_value_head", "value_head",
            "CausalLMWithValueHead", "load_policy", "load_reward_model", "value_head_state_dict",
            "load_value_head_state_dict", "generation_ids", "rollout_noise", "eval_noise", "warp_logits", "sample_next_tokens",
            "generate", "trim_rollouts", "prepare_model_inputs", "get_rewards", "logprobs_from_logits",
@@ -368,19 +368,18 @@ def batched_forward_pass(model: CausalLMWithValueHead, queries, responses, model
 
 
 def masked_mean(values, mask, axis=None):
-    return (values * mask).sum(axis=axis) / mask.sum(axis=axis) if axis is not None else (values * mask).sum() / mask.sum()
+    if axis is None:
+        return (values * mask).sum() / mask.sum()
+    return (values * mask).sum(axis=axis) / mask.sum(axis=axis)
 
 
-def masked_var(values, mask, unbiased: bool = True):
-    """TRL masked_var: the masked mean of squared deviations, times n / (n - 1) (Bessel) over n = mask.sum()."""
-    mean = masked_mean(values, mask)
-    variance = masked_mean((values - mean) ** 2, mask)
-    if unbiased:
-        mask_sum = mask.sum()
-        if mask_sum == 0:
-            raise ValueError("masked_var: the mask is empty")
-        variance = variance * (mask_sum / (mask_sum - 1))  # inf for a single element, as TRL's
-    return variance
+def masked_var(values, mask):
+    """TRL masked_var, unbiased (the only form its PPO uses): the masked mean of squared deviations, times
+    n / (n - 1) (Bessel) over n = mask.sum(); inf for a single element, as TRL's."""
+    mask_sum = mask.sum()
+    if mask_sum == 0:
+        raise ValueError("masked_var: the mask is empty")
+    return masked_mean((values - masked_mean(values, mask)) ** 2, mask) * (mask_sum / (mask_sum - 1))
 
 
 def masked_whiten(values, mask, shift_mean: bool = True):
