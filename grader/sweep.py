@@ -43,6 +43,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 CATALOG = Path(__file__).with_name("defects.yaml")
+FAMILY_CATALOGS = Path(__file__).with_name("defects")  # defects/<family>.yaml: each family's signature bugs
 SOLUTION_TREES = ("jax_oracles", "serving_engine", "conversion")
 DEFAULT_NOISE = 1e-6
 CLASSES = ("training", "serving")
@@ -89,9 +90,16 @@ def _names(value, field: str, did: str) -> tuple[str, ...]:
 
 
 def load_catalog(path: Path = CATALOG) -> Catalog:
+    """The main catalog, plus (for the default path) every grader/defects/<family>.yaml beside it."""
     raw = yaml.safe_load(Path(path).read_text())
+    entries, rationale = list(raw["defects"]), dict(raw.get("untripped_rationale") or {})
+    if Path(path) == CATALOG:
+        for extra in sorted(FAMILY_CATALOGS.glob("*.yaml")):
+            more = yaml.safe_load(extra.read_text()) or {}
+            entries += more.get("defects") or []
+            rationale.update(more.get("untripped_rationale") or {})
     defects = []
-    for d in raw["defects"]:
+    for d in entries:
         did = d["id"]
         if d["class"] not in CLASSES:
             raise ValueError(f"defect {did}: class {d['class']!r} not in {CLASSES}")
@@ -107,7 +115,7 @@ def load_catalog(path: Path = CATALOG) -> Catalog:
     ids = [d.id for d in defects]
     if len(set(ids)) != len(ids):
         raise ValueError(f"duplicate defect ids: {sorted({i for i in ids if ids.count(i) > 1})}")
-    return Catalog(tuple(defects), dict(raw.get("untripped_rationale") or {}))
+    return Catalog(tuple(defects), rationale)
 
 
 def _task_key(cfg) -> tuple[str, str, str | None, str | None]:

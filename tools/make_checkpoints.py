@@ -154,15 +154,24 @@ def make_llama3_reward(out_dir) -> Path:
     return out
 
 
-def make_gemma4(out_dir) -> Path:
-    import importlib.util  # tools/ is not a package: load the sibling file by path
-    spec = importlib.util.spec_from_file_location("checkpoints_gemma4", Path(__file__).with_name("checkpoints_gemma4.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.make_gemma4(out_dir)
+def _sibling_builder(family: str):
+    """make_<family> of tools/checkpoints_<family>.py (tools/ is not a package: loaded by path, on use)."""
+    def build(out_dir) -> Path:
+        import importlib.util
+        name = f"checkpoints_{family}"
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return getattr(mod, f"make_{family.replace('-', '_')}")(out_dir)
+    return build
 
 
-BUILDERS = {"llama3": make_llama3, "llama3-reward": make_llama3_reward, "gemma4": make_gemma4}
+# One builder per checkpoint directory under assets/checkpoints/ (a family may have several, e.g. falcon's
+# two attention layouts); the other families' builders live in tools/checkpoints_<family>.py.
+SIBLING_FAMILIES = ("gemma4", "bloom", "falcon", "mistral", "qwen2", "qwen3", "phi4", "starcoder2")
+BUILDERS = {"llama3": make_llama3, "llama3-reward": make_llama3_reward,
+            **{f: _sibling_builder(f) for f in SIBLING_FAMILIES
+               if Path(__file__).with_name(f"checkpoints_{f}.py").is_file()}}
 
 
 # ---- sharding (real HF index format), used by tests -----------------------------------------

@@ -1,6 +1,7 @@
 """Llama 3 / 3.1 in Flax Linen: the torch-free twin of torch_sources/models/llama3.py.
 
-Same public names in the same order. Params are named after the HF checkpoint
+Composed from the shared layers (jax_oracles/models/layers.py); Mistral, Qwen2 and Qwen3 reuse its
+blocks. Same public names in the same order. Params are named after the HF checkpoint
 (`params["model"]["layers_0"]["self_attn"]["q_proj"]["kernel"]` = HF weight transposed);
 see conversion/llama3.py. LoRA adapters ride in the separate "lora" collection, picked up
 by every projection (jax_oracles/training/lora.py: LoraLinear).
@@ -8,34 +9,23 @@ by every projection (jax_oracles/training/lora.py: LoraLinear).
 
 from __future__ import annotations
 
-import functools
 import json
-import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jax_oracles.models import layers
+from jax_oracles.models.layers import (GatedMLP, LayerInputs, RMSNorm, RopeScaling, apply_rope, attend,
+                                       causal_mask, eager_attention, rms_norm, rope_cos_sin)
 from jax_oracles.training.lora import LoraLinear
 
 __all__ = [
     "RopeScaling", "LlamaConfig",
-    "rms_norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention",
+    "rms_norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention", "layer_inputs",
     "LlamaRMSNorm", "LlamaMLP", "LlamaAttention", "LlamaDecoderLayer", "LlamaModel", "LlamaForCausalLM",
 ]
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """config.json `rope_scaling` of Llama 3.1 (rope_type "llama3")."""
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-    rope_type: str = "llama3"
 
 
 @dataclass(frozen=True)
@@ -84,148 +74,94 @@ class LlamaConfig:
     def from_pretrained(cls, path) -> "LlamaConfig":
         return cls.from_hf(json.loads((Path(path) / "config.json").read_text()))
 
+    @property
+    def norm_eps(self) -> float:  # the family-neutral name the generic checks read
+        return self.rms_norm_eps
 
-# ---- operators ------------------------------------------------------------------------------
 
-def rms_norm(x, weight, eps: float):  # x: [..., D]  weight: f32[D]
-    dtype = x.dtype
-    h = x.astype(jnp.float32)
-    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
-    return weight * h.astype(dtype)  # HF casts back before the weight multiply
-
+# ---- operators (the shared layers, at the config's settings) --------------------------------
 
 def rope_inv_freq(config: LlamaConfig):  # -> f32[hd/2]
-    # A config constant: computed in numpy float32 with the same op order as transformers'
-    # `_compute_llama3_parameters`, so it is a literal under jit and matches torch to the ulp.
-    f32, dim = np.float32, config.head_dim
-    inv_freq = f32(1.0) / (f32(config.rope_theta) ** (np.arange(0, dim, 2).astype(f32) / f32(dim)))
-    s = config.rope_scaling
-    if s is not None:
-        low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-        high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        inv_freq_llama = np.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
-        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-        smoothed = (1 - smooth) * inv_freq_llama / s.factor + smooth * inv_freq_llama
-        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-        inv_freq = np.where(is_medium, smoothed, inv_freq_llama)
-    return jnp.asarray(inv_freq, dtype=jnp.float32)
+    return layers.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
 
 
-def rope_cos_sin(inv_freq, position_ids):  # f32[hd/2], i32[B,T] -> (cos, sin) f32[B,T,hd]
-    freqs = position_ids[..., None].astype(jnp.float32) * inv_freq.astype(jnp.float32)  # f32[B,T,hd/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
-
-
-def _rotate_half(x):
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate([-x2, x1], axis=-1)
-
-
-def apply_rope(x, cos, sin):  # x: f32[B,T,N,hd]  cos, sin: f32[B,T,hd]
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    return x * cos + _rotate_half(x) * sin
-
-
-def causal_mask(attention_mask):  # i32[B,T] -> bool[B,T,T]; True = query t may attend key s
-    T = attention_mask.shape[1]
-    causal = jnp.tril(jnp.ones((T, T), dtype=jnp.bool_))
-    return causal[None] & attention_mask.astype(jnp.bool_)[:, None, :]
-
-
-def eager_attention(q, k, v, mask, scale: float):
-    """q: f32[B,T,N,hd]  k, v: f32[B,S,K,hd]  mask: bool[B,T,S] -> f32[B,T,N,hd].
-
-    Query head n = j*G + g uses KV head j (HF repeat_kv order); softmax in fp32.
-    """
-    B, T, N, H = q.shape
-    K = k.shape[2]
-    qg = q.reshape(B, T, K, N // K, H)
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k) * scale
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(scores.dtype).min)
-    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
-    return out.reshape(B, T, N, H)
+def layer_inputs(config: LlamaConfig, attention_mask, position_ids=None) -> LayerInputs:
+    return layers.layer_inputs(attention_mask, position_ids, inv_freq=rope_inv_freq(config))
 
 
 # ---- modules --------------------------------------------------------------------------------
 
-class LlamaRMSNorm(nn.Module):
-    eps: float
-
-    @nn.compact
-    def __call__(self, x):  # f32[..., D]
-        weight = self.param("weight", nn.initializers.ones_init(), (x.shape[-1],), jnp.float32)
-        return rms_norm(x, weight, self.eps)
+LlamaRMSNorm = RMSNorm
 
 
-class LlamaMLP(nn.Module):
-    config: LlamaConfig
-    lora_scaling: float = 2.0
-
-    @nn.compact
-    def __call__(self, x):  # f32[B,T,D]
-        c = self.config
-        linear = functools.partial(LoraLinear, use_bias=c.mlp_bias, scaling=self.lora_scaling)
-        gate = linear(c.intermediate_size, name="gate_proj")(x)
-        up = linear(c.intermediate_size, name="up_proj")(x)
-        return linear(c.hidden_size, name="down_proj")(jax.nn.silu(gate) * up)
+def LlamaMLP(config: LlamaConfig, lora_scaling: float = 2.0, name: str | None = None) -> GatedMLP:
+    return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias,
+                    lora_scaling=lora_scaling, name=name)
 
 
 class LlamaAttention(nn.Module):
     config: LlamaConfig
     lora_scaling: float = 2.0
 
-    @nn.compact
-    def __call__(self, x, mask, cos, sin):  # x: f32[B,T,D]  mask: bool[B,T,T]  cos, sin: f32[B,T,hd]
+    def setup(self):
+        c = self.config
+        linear = lambda f, name: LoraLinear(f, use_bias=c.attention_bias, scaling=self.lora_scaling, name=name)
+        hd = c.head_dim
+        self.q_proj = linear(c.num_attention_heads * hd, "q_proj")
+        self.k_proj = linear(c.num_key_value_heads * hd, "k_proj")
+        self.v_proj = linear(c.num_key_value_heads * hd, "v_proj")
+        self.o_proj = linear(c.hidden_size, "o_proj")
+
+    def project_qkv(self, x):  # f32[B,T,D] -> q f32[B,T,N,hd], k, v f32[B,T,K,hd]
         c = self.config
         B, T, _ = x.shape
-        N, K, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        linear = functools.partial(LoraLinear, use_bias=c.attention_bias, scaling=self.lora_scaling)
-        q = linear(N * hd, name="q_proj")(x).reshape(B, T, N, hd)
-        k = linear(K * hd, name="k_proj")(x).reshape(B, T, K, hd)
-        v = linear(K * hd, name="v_proj")(x).reshape(B, T, K, hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = eager_attention(q, k, v, mask, hd ** -0.5)  # [B,T,N,hd]
-        return linear(c.hidden_size, name="o_proj")(out.reshape(B, T, N * hd))
+        q = self.q_proj(x).reshape(B, T, c.num_attention_heads, c.head_dim)
+        k = self.k_proj(x).reshape(B, T, c.num_key_value_heads, c.head_dim)
+        v = self.v_proj(x).reshape(B, T, c.num_key_value_heads, c.head_dim)
+        return q, k, v
+
+    def __call__(self, x, inputs: LayerInputs):  # x: f32[B,T,D] -> f32[B,T,D]
+        return self.o_proj(attend(*self.project_qkv(x), inputs, self.config.head_dim ** -0.5))
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). `attention` builds the family's attention."""
     config: LlamaConfig
     lora_scaling: float = 2.0
+    attention: type = LlamaAttention
 
     @nn.compact
-    def __call__(self, hidden, mask, cos, sin):  # f32[B,T,D] -> f32[B,T,D]
+    def __call__(self, hidden, inputs: LayerInputs):  # f32[B,T,D] -> f32[B,T,D]
         c = self.config
-        attn_in = LlamaRMSNorm(c.rms_norm_eps, name="input_layernorm")(hidden)
-        hidden = hidden + LlamaAttention(c, self.lora_scaling, name="self_attn")(attn_in, mask, cos, sin)
-        mlp_in = LlamaRMSNorm(c.rms_norm_eps, name="post_attention_layernorm")(hidden)
+        attn_in = RMSNorm(c.rms_norm_eps, name="input_layernorm")(hidden)
+        hidden = hidden + self.attention(c, self.lora_scaling, name="self_attn")(attn_in, inputs)
+        mlp_in = RMSNorm(c.rms_norm_eps, name="post_attention_layernorm")(hidden)
         return hidden + LlamaMLP(c, self.lora_scaling, name="mlp")(mlp_in)
 
 
 class LlamaModel(nn.Module):
     config: LlamaConfig
     lora_scaling: float = 2.0
+    decoder_layer: type = LlamaDecoderLayer
+    layer_inputs_fn: object = None
 
     @nn.compact
     def __call__(self, input_ids, attention_mask, position_ids=None):  # i32[B,T] x3 -> f32[B,T,D]
         c = self.config
-        B, T = input_ids.shape
-        if position_ids is None:  # right padding; left-padded generation passes HF's mask cumsum - 1
-            position_ids = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
-        cos, sin = rope_cos_sin(rope_inv_freq(c), position_ids)
-        mask = causal_mask(attention_mask)
+        inputs = (self.layer_inputs_fn or layer_inputs)(c, attention_mask, position_ids)
         hidden = nn.Embed(c.vocab_size, c.hidden_size, name="embed_tokens")(input_ids)
         for i in range(c.num_hidden_layers):
-            hidden = LlamaDecoderLayer(c, self.lora_scaling, name=f"layers_{i}")(hidden, mask, cos, sin)
-        return LlamaRMSNorm(c.rms_norm_eps, name="norm")(hidden)
+            hidden = self.decoder_layer(c, self.lora_scaling, name=f"layers_{i}")(hidden, inputs)
+        return RMSNorm(c.rms_norm_eps, name="norm")(hidden)
 
 
 class LlamaForCausalLM(nn.Module):
-    """logits = model.apply({"params": params[, "lora": adapters]}, input_ids, attention_mask)."""
+    """logits = model.apply({"params": params[, "lora": adapters]}, input_ids, attention_mask).
+    Also the causal LM of the Llama-shaped families: they pass their config and decoder layer."""
     config: LlamaConfig
     lora_scaling: float = 2.0  # lora_alpha / r, used only where a "lora" collection is given
+    decoder_layer: type = LlamaDecoderLayer
+    layer_inputs_fn: object = None
 
     @nn.compact
     def __call__(self, input_ids, attention_mask=None, position_ids=None, return_hidden: bool = False):
@@ -233,7 +169,8 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
-        hidden = LlamaModel(c, self.lora_scaling, name="model")(input_ids, attention_mask, position_ids)
+        hidden = LlamaModel(c, self.lora_scaling, self.decoder_layer, self.layer_inputs_fn,
+                            name="model")(input_ids, attention_mask, position_ids)
         if c.tie_word_embeddings:  # Llama 3.2 1B/3B: the embedding doubles as the output head
             logits = hidden @ self.variables["params"]["model"]["embed_tokens"]["embedding"].T
         else:

@@ -25,9 +25,11 @@ __all__ = ["PEFT_PREFIX", "TARGET_ORDER", "LoraConfig", "lora_linear", "lora_tar
            "lora_tree_from_state_dict"]
 
 PEFT_PREFIX = "base_model.model."
-# Canonical order within a decoder layer (HF registration order): attention, then MLP.
-TARGET_ORDER = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
-                ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+# Canonical order of the projections within a decoder layer (every family's names; attention, then MLP):
+# the order of the numpy init draws and of the state dicts, the same in both frameworks.
+TARGET_ORDER = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "o_proj", "dense",
+                "gate_proj", "up_proj", "gate_up_proj", "down_proj", "c_fc", "c_proj", "dense_h_to_4h", "dense_4h_to_h")
+_LAYER = re.compile(r"(.+)_(\d+)")  # a decoder layer's param key: "layers_0", "h_0"
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ class LoraConfig:
     r: int = 8
     lora_alpha: int = 16  # LF: lora_alpha None -> 2 * lora_rank
     lora_dropout: float = 0.0
-    target_modules: tuple[str, ...] = tuple(name for _, name in TARGET_ORDER)
+    target_modules: tuple[str, ...] = ("all",)  # LF's lora_target: "all", or module names
 
     @property
     def scaling(self) -> float:
@@ -50,20 +52,40 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scaling: float):
     return y + ((x @ lora_A.T) @ lora_B.T) * scaling
 
 
-def _layer_index(name: str) -> int:
-    return int(name.split("_")[-1])
+def _split_layer_path(path: tuple[str, ...]) -> tuple[int, int]:
+    """Index of the decoder-layer key in a param path and that layer's index; the path must name a projection."""
+    for k, key in enumerate(path):
+        m = _LAYER.fullmatch(key)
+        if m is not None:
+            if path[-1] not in TARGET_ORDER:
+                break
+            return k, int(m.group(2))
+    raise ValueError(f"{'/'.join(path)}: not a decoder-layer projection LoRA knows (TARGET_ORDER: {TARGET_ORDER})")
+
+
+def _peft_module_name(path: tuple[str, ...]) -> str:
+    """("model", "layers_0", "self_attn", "q_proj") -> "base_model.model.model.layers.0.self_attn.q_proj"."""
+    k, index = _split_layer_path(path)
+    base = _LAYER.fullmatch(path[k]).group(1)
+    return PEFT_PREFIX + ".".join((*path[:k], base, str(index), *path[k + 1:]))
+
+
+def _canonical(path: tuple[str, ...]) -> tuple[int, int]:
+    return _split_layer_path(path)[1], TARGET_ORDER.index(path[-1])
 
 
 def lora_target_specs(params: dict, config: LoraConfig) -> list[tuple[str, int, int]]:
-    """(PEFT module name, in, out) of every adapted projection, in canonical order."""
-    layers = sorted((k for k in params["model"] if k.startswith("layers_")), key=_layer_index)
+    """(PEFT module name, in, out) of every adapted projection, in canonical order.
+
+    LF's find_all_linear_modules: every linear kernel but the output head's; "all" or the named modules."""
     specs = []
-    for layer in layers:
-        for group, proj in TARGET_ORDER:
-            if proj in config.target_modules:
-                fan_in, fan_out = params["model"][layer][group][proj]["kernel"].shape
-                specs.append((f"{PEFT_PREFIX}model.layers.{_layer_index(layer)}.{group}.{proj}", fan_in, fan_out))
-    return specs
+    for path, leaf in traverse_util.flatten_dict(params).items():
+        if path[-1] != "kernel" or path[0] == "lm_head" or np.ndim(leaf) != 2:
+            continue
+        module = path[:-1]
+        if "all" in config.target_modules or module[-1] in config.target_modules:
+            specs.append((module, *np.shape(leaf)))
+    return [(_peft_module_name(m), fan_in, fan_out) for m, fan_in, fan_out in sorted(specs, key=lambda s: _canonical(s[0]))]
 
 
 def init_lora_weights(specs: list[tuple[str, int, int]], seed: int, r: int = 8) -> dict[str, np.ndarray]:
@@ -125,14 +147,9 @@ def load_lora_state_dict(lora_tree: dict, state_dict: dict) -> dict:
 
 def lora_state_dict(lora_tree: dict) -> dict[str, np.ndarray]:
     """{peft name: f32 numpy, torch layout} in canonical order (layer, TARGET_ORDER, A then B)."""
-    order = {proj: i for i, (_, proj) in enumerate(TARGET_ORDER)}
     flat = traverse_util.flatten_dict(lora_tree)
-    out = {}
-    for path in sorted(flat, key=lambda p: (_layer_index(p[-4]), order[p[-2]], p[-1])):
-        *root, layer, group, proj, leaf = path
-        name = f"{PEFT_PREFIX}{'.'.join(root)}.layers.{_layer_index(layer)}.{group}.{proj}.{leaf}.weight"
-        out[name] = np.array(flat[path]).T.copy()
-    return out
+    return {f"{_peft_module_name(path[:-1])}.{path[-1]}.weight": np.array(flat[path]).T.copy()
+            for path in sorted(flat, key=lambda p: (*_canonical(p[:-1]), p[-1]))}
 
 
 def init_lora_tree(params: dict, config: LoraConfig, seed: int) -> dict:
@@ -140,7 +157,7 @@ def init_lora_tree(params: dict, config: LoraConfig, seed: int) -> dict:
     return inject_lora(params, config, seed)[0]
 
 
-_PEFT_KEY = re.compile(rf"{re.escape(PEFT_PREFIX)}(.+)\.layers\.(\d+)\.(\w+)\.(\w+)\.(lora_[AB])\.weight")
+_PEFT_KEY = re.compile(rf"{re.escape(PEFT_PREFIX)}(.+?)\.(\d+)\.(.+)\.(lora_[AB])\.weight")
 
 
 def lora_tree_from_state_dict(state_dict: dict) -> dict:
@@ -150,6 +167,7 @@ def lora_tree_from_state_dict(state_dict: dict) -> dict:
         m = _PEFT_KEY.fullmatch(name)
         if m is None:
             raise KeyError(f"not a PEFT LoRA weight name: {name}")
-        root, layer, group, proj, leaf = m.groups()
-        flat[(*root.split("."), f"layers_{layer}", group, proj, leaf)] = jnp.asarray(np.asarray(w, np.float32).T)
+        layers, index, module, leaf = m.groups()
+        *root, base = layers.split(".")
+        flat[(*root, f"{base}_{index}", *module.split("."), leaf)] = jnp.asarray(np.asarray(w, np.float32).T)
     return traverse_util.unflatten_dict(flat)

@@ -24,8 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from conversion.llama3 import load_config, load_params
-from jax_oracles.models.llama3 import LlamaForCausalLM
+from jax_oracles.models import auto
 
 from .collator import SFTDataCollator
 from .lora import LoraConfig, init_lora_tree, lora_state_dict, lora_tree_from_state_dict
@@ -124,15 +123,15 @@ def num_training_steps(num_examples: int, args: TrainArgs) -> int:
 class CausalLM:
     """A Linen module and its base params (the JAX counterpart of a loaded torch model)."""
 
-    module: LlamaForCausalLM
+    module: object  # the family's ForCausalLM (flax.linen.Module)
     params: dict
 
 
 def load_model(model_dir, lora: LoraConfig | None = None, seed: int = 0) -> CausalLM:
-    """The checkpoint as (module, params); LoRA weights are passed separately as the "lora" collection."""
+    """The checkpoint's causal LM (its family from config.json) as (module, params); LoRA weights are
+    passed separately as the "lora" collection."""
     del seed  # kept for the torch signature; adapters come from init_lora_tree / lora_tree_from_state_dict
-    scaling = (lora or LoraConfig()).scaling
-    return CausalLM(LlamaForCausalLM(load_config(model_dir), lora_scaling=scaling), load_params(model_dir))
+    return CausalLM(*auto.from_pretrained(model_dir, (lora or LoraConfig()).scaling))
 
 
 # ---- jitted pieces (cached per module, optimizer and shape) ----------------------------------

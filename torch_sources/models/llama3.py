@@ -1,37 +1,28 @@
 """Llama 3 / 3.1 in pure PyTorch, eager fp32: the reference the JAX twin is held against.
 
-Numerics follow transformers' modeling_llama.py: RMSNorm in fp32 cast back before the weight,
-llama3-scaled RoPE computed in fp32 (modeling_rope_utils `_compute_llama3_parameters`),
-rotate-half RoPE, GQA by repeating KV heads, eager attention with an fp32 softmax, SwiGLU.
-Submodule names equal the HF state-dict keys, so a checkpoint loads with load_state_dict.
+transformers' modeling_llama.py composed from the shared layers (models/layers.py): pre-norm RMSNorm
+blocks, llama3-scaled RoPE, GQA eager attention, SwiGLU. What is Llama's own: the config keys and
+the checkpoint names. Submodule names equal the HF state-dict keys, so a checkpoint loads with
+load_state_dict. The other Llama-shaped families (Mistral, Qwen2, Qwen3) reuse this file's blocks.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from torch_sources.models import layers
+from torch_sources.models.layers import (GatedMLP, LayerInputs, RMSNorm, RopeScaling, apply_rope, attend,
+                                         causal_mask, eager_attention, rms_norm, rope_cos_sin)
 from torch_sources.models.loading import load_config, load_state_dict
 
 __all__ = [
     "RopeScaling", "LlamaConfig",
-    "rms_norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention",
+    "rms_norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention", "layer_inputs",
     "LlamaRMSNorm", "LlamaMLP", "LlamaAttention", "LlamaDecoderLayer", "LlamaModel", "LlamaForCausalLM",
 ]
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """config.json `rope_scaling` of Llama 3.1 (rope_type "llama3")."""
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-    rope_type: str = "llama3"
 
 
 @dataclass(frozen=True)
@@ -80,92 +71,28 @@ class LlamaConfig:
     def from_pretrained(cls, path) -> "LlamaConfig":
         return cls.from_hf(load_config(path))
 
+    @property
+    def norm_eps(self) -> float:  # the family-neutral name the generic checks read
+        return self.rms_norm_eps
 
-# ---- operators ------------------------------------------------------------------------------
 
-def rms_norm(x, weight, eps: float):  # x: [..., D]  weight: f32[D]
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)  # HF casts back before the weight multiply
-
+# ---- operators (the shared layers, at the config's settings) --------------------------------
 
 def rope_inv_freq(config: LlamaConfig):  # -> f32[hd/2]
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    s = config.rope_scaling
-    if s is None:
-        return inv_freq
-    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    smoothed = (1 - smooth) * inv_freq_llama / s.factor + smooth * inv_freq_llama
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, inv_freq_llama)
+    return layers.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
 
 
-def rope_cos_sin(inv_freq, position_ids):  # f32[hd/2], i32[B,T] -> (cos, sin) f32[B,T,hd]
-    freqs = position_ids[..., None].float() * inv_freq.float()  # f32[B,T,hd/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x, cos, sin):  # x: f32[B,T,N,hd]  cos, sin: f32[B,T,hd]
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    return x * cos + _rotate_half(x) * sin
-
-
-def causal_mask(attention_mask):  # i32[B,T] -> bool[B,T,T]; True = query t may attend key s
-    T = attention_mask.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()
-    return causal[None] & attention_mask.bool()[:, None, :]
-
-
-def eager_attention(q, k, v, mask, scale: float):
-    """q: f32[B,T,N,hd]  k, v: f32[B,S,K,hd]  mask: bool[B,T,S] -> f32[B,T,N,hd].
-
-    KV head j serves query heads j*G .. j*G+G-1 (HF repeat_kv); softmax in fp32.
-    """
-    groups = q.shape[2] // k.shape[2]
-    q = q.transpose(1, 2)  # [B,N,T,hd]
-    k = k.transpose(1, 2).repeat_interleave(groups, dim=1)  # [B,N,S,hd]
-    v = v.transpose(1, 2).repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [B,N,T,S]
-    scores = scores.masked_fill(~mask[:, None], torch.finfo(scores.dtype).min)
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v).transpose(1, 2)  # [B,T,N,hd]
+def layer_inputs(config: LlamaConfig, attention_mask, position_ids=None) -> LayerInputs:
+    return layers.layer_inputs(attention_mask, position_ids, inv_freq=rope_inv_freq(config))
 
 
 # ---- modules --------------------------------------------------------------------------------
 
-class LlamaRMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
+LlamaRMSNorm = RMSNorm
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config: LlamaConfig):
-        super().__init__()
-        D, I, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(D, I, bias=bias)
-        self.up_proj = nn.Linear(D, I, bias=bias)
-        self.down_proj = nn.Linear(I, D, bias=bias)
-
-    def forward(self, x):  # f32[B,T,D]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+def LlamaMLP(config: LlamaConfig) -> GatedMLP:
+    return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
 
 
 class LlamaAttention(nn.Module):
@@ -178,55 +105,57 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(D, self.num_kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * hd, D, bias=bias)
 
-    def forward(self, x, mask, cos, sin):  # x: f32[B,T,D]  mask: bool[B,T,T]  cos, sin: f32[B,T,hd]
+    def project_qkv(self, x):  # f32[B,T,D] -> q f32[B,T,N,hd], k, v f32[B,T,K,hd]
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = eager_attention(q, k, v, mask, self.head_dim ** -0.5)  # [B,T,N,hd]
-        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+        return q, k, v
+
+    def forward(self, x, inputs: LayerInputs):  # x: f32[B,T,D] -> f32[B,T,D]
+        return self.o_proj(attend(*self.project_qkv(x), inputs, self.head_dim ** -0.5))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig):
-        super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). `attention` builds the family's attention."""
 
-    def forward(self, hidden, mask, cos, sin):  # f32[B,T,D] -> f32[B,T,D]
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), mask, cos, sin)
+    def __init__(self, config: LlamaConfig, attention=LlamaAttention):
+        super().__init__()
+        self.self_attn = attention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden, inputs: LayerInputs):  # f32[B,T,D] -> f32[B,T,D]
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), inputs)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config, decoder_layer=LlamaDecoderLayer, layer_inputs_fn=None):
         super().__init__()
         self.config = config
+        self.layer_inputs_fn = layer_inputs_fn or layer_inputs
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(decoder_layer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, attention_mask, position_ids=None):  # i32[B,T] x3 -> f32[B,T,D]
-        B, T = input_ids.shape
-        if position_ids is None:  # right padding; left-padded generation passes HF's mask cumsum - 1
-            position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, T)
-        # Recomputed per call (hd/2 floats) rather than stored, so a meta-device build stays valid.
-        cos, sin = rope_cos_sin(rope_inv_freq(self.config).to(input_ids.device), position_ids)
-        mask = causal_mask(attention_mask)
+        # Recomputed per call (a few floats) rather than stored, so a meta-device build stays valid.
+        inputs = self.layer_inputs_fn(self.config, attention_mask, position_ids)
         hidden = self.embed_tokens(input_ids)
         for layer in self.layers:
-            hidden = layer(hidden, mask, cos, sin)
+            hidden = layer(hidden, inputs)
         return self.norm(hidden)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    """Also the causal LM of the Llama-shaped families: they pass their config and decoder layer."""
+
+    def __init__(self, config, decoder_layer=LlamaDecoderLayer, layer_inputs_fn=None):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, decoder_layer, layer_inputs_fn)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -240,15 +169,24 @@ class LlamaForCausalLM(nn.Module):
         return (logits, hidden) if return_hidden else logits
 
     @classmethod
-    def from_pretrained(cls, path) -> "LlamaForCausalLM":
+    def from_pretrained(cls, path):
         """Build from an HF checkpoint directory (single file or sharded index), in fp32, eval mode."""
-        config = LlamaConfig.from_pretrained(path)
-        state = {k: v.to(torch.float32) for k, v in load_state_dict(path).items()}
-        if config.tie_word_embeddings:
-            state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
-        with torch.device("meta"):  # no random init: every parameter comes from the checkpoint
-            model = cls(config)
-        model.load_state_dict(state, strict=True, assign=True)
-        if config.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        return model.eval()
+        return load_pretrained(cls, LlamaConfig.from_pretrained(path), path)
+
+
+def load_pretrained(build, config, path) -> nn.Module:
+    """`build(config)` on the meta device, every parameter assigned from the checkpoint (fp32), eval mode.
+    A tied release may store no head, or the shared copy."""
+    state = {k: v.to(torch.float32) for k, v in load_state_dict(path).items()}
+    with torch.device("meta"):  # no random init: every parameter comes from the checkpoint
+        model = build(config)
+    head = getattr(model, "lm_head", None)
+    tied = head is not None and config.tie_word_embeddings
+    embed_name = next(n for n, _ in model.named_parameters() if n.endswith("word_embeddings.weight")
+                      or n.endswith("embed_tokens.weight"))
+    if tied:
+        state.setdefault("lm_head.weight", state[embed_name])
+    model.load_state_dict(state, strict=True, assign=True)
+    if tied:
+        model.lm_head.weight = model.get_parameter(embed_name)
+    return model.eval()

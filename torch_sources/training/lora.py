@@ -1,4 +1,5 @@
-"""LoRA as PEFT applies it for LLaMA-Factory (`lora_target=all` on Llama: every projection).
+"""LoRA as PEFT applies it for LLaMA-Factory (`lora_target=all`: every nn.Linear of the decoder layers,
+lm_head excluded, as LF's `find_all_linear_modules` finds them, fused projections included).
 
 y = base(x) + scaling * B(A(dropout(x))), scaling = lora_alpha / r; A: [r, in] kaiming-uniform
 (a=sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in))), B: [out, r] zeros, so training starts from the
@@ -10,6 +11,7 @@ init is drawn from one numpy generator in canonical order, so the JAX twin gets 
 from __future__ import annotations
 
 import math
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -22,9 +24,11 @@ __all__ = ["PEFT_PREFIX", "TARGET_ORDER", "LoraConfig", "lora_linear", "lora_tar
            "LoraLinear", "inject_lora", "disable_adapter", "load_lora_state_dict", "lora_state_dict"]
 
 PEFT_PREFIX = "base_model.model."
-# Canonical order within a decoder layer (HF registration order): attention, then MLP.
-TARGET_ORDER = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
-                ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+# Canonical order of the projections within a decoder layer (every family's names; attention, then MLP):
+# the order of the numpy init draws and of the state dicts, the same in both frameworks.
+TARGET_ORDER = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "o_proj", "dense",
+                "gate_proj", "up_proj", "gate_up_proj", "down_proj", "c_fc", "c_proj", "dense_h_to_4h", "dense_4h_to_h")
+_IN_LAYER = re.compile(r"(.+?)\.(\d+)\.(.+)")  # "<layers path>.<index>.<module path in the layer>"
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,7 @@ class LoraConfig:
     r: int = 8
     lora_alpha: int = 16  # LF: lora_alpha None -> 2 * lora_rank
     lora_dropout: float = 0.0
-    target_modules: tuple[str, ...] = tuple(name for _, name in TARGET_ORDER)
+    target_modules: tuple[str, ...] = ("all",)  # LF's lora_target: "all", or module names
 
     @property
     def scaling(self) -> float:
@@ -44,16 +48,28 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scaling: float):
     return F.linear(x, weight, bias) + F.linear(F.linear(x, lora_A), lora_B) * scaling
 
 
+def _canonical(name: str) -> tuple[int, int]:
+    """Sort key of a module name inside a decoder layer: (layer index, TARGET_ORDER position)."""
+    m = _IN_LAYER.fullmatch(name)
+    last = name.rsplit(".", 1)[-1]
+    if m is None or last not in TARGET_ORDER:
+        raise ValueError(f"{name}: not a decoder-layer projection LoRA knows (TARGET_ORDER: {TARGET_ORDER})")
+    return int(m.group(2)), TARGET_ORDER.index(last)
+
+
 def lora_target_specs(model: nn.Module, config: LoraConfig) -> list[tuple[str, int, int]]:
-    """(PEFT module name, in, out) of every adapted projection, in canonical order."""
+    """(PEFT module name, in, out) of every adapted projection, in canonical order.
+
+    LF's find_all_linear_modules: every nn.Linear but the output head; "all" or the named modules."""
     specs = []
-    for i, layer in enumerate(model.model.layers):
-        for group, proj in TARGET_ORDER:
-            if proj in config.target_modules:
-                linear = getattr(getattr(layer, group), proj)
-                linear = getattr(linear, "base_layer", linear)
-                specs.append((f"{PEFT_PREFIX}model.layers.{i}.{group}.{proj}", linear.in_features, linear.out_features))
-    return specs
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLinear) or not isinstance(module, nn.Linear) or name.split(".")[0] == "lm_head":
+            continue
+        if "all" in config.target_modules or name.rsplit(".", 1)[-1] in config.target_modules:
+            if name.endswith(".base_layer"):
+                name = name[: -len(".base_layer")]
+            specs.append((f"{PEFT_PREFIX}{name}", module.in_features, module.out_features))
+    return sorted(specs, key=lambda spec: _canonical(spec[0][len(PEFT_PREFIX):]))
 
 
 def init_lora_weights(specs: list[tuple[str, int, int]], seed: int, r: int = 8) -> dict[str, np.ndarray]:
@@ -116,7 +132,7 @@ def disable_adapter(model: nn.Module):
 
 def load_lora_state_dict(model: nn.Module, state_dict: dict) -> None:
     """Copy {peft name: array} into the model's adapters (every adapter must be named)."""
-    params = {PEFT_PREFIX + n: p for n, p in model.named_parameters() if ".lora_" in n}
+    params = _lora_params(model)
     if params.keys() != state_dict.keys():
         raise KeyError(f"adapter names differ: missing {sorted(params.keys() - state_dict.keys())}, "
                        f"unexpected {sorted(state_dict.keys() - params.keys())}")
@@ -126,6 +142,12 @@ def load_lora_state_dict(model: nn.Module, state_dict: dict) -> None:
             p.requires_grad_(True)
 
 
+def _lora_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{peft name: adapter parameter} in canonical order (layer, TARGET_ORDER, A then B)."""
+    params = {PEFT_PREFIX + n: p for n, p in model.named_parameters() if ".lora_" in n}
+    return {k: params[k] for k in sorted(params, key=lambda k: (*_canonical(k[len(PEFT_PREFIX):].rsplit(".", 2)[0]), k))}
+
+
 def lora_state_dict(model: nn.Module) -> dict[str, np.ndarray]:
     """{peft name: f32 numpy copy, torch layout} in canonical order."""
-    return {PEFT_PREFIX + n: p.detach().cpu().numpy().copy() for n, p in model.named_parameters() if ".lora_" in n}
+    return {name: p.detach().cpu().numpy().copy() for name, p in _lora_params(model).items()}

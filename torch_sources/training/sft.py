@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torch_sources.models.llama3 import LlamaForCausalLM
+from torch_sources.models import auto
 
 from .collator import SFTDataCollator
 from .lora import PEFT_PREFIX, LoraConfig, inject_lora, load_lora_state_dict, lora_state_dict
@@ -114,9 +114,10 @@ def num_training_steps(num_examples: int, args: TrainArgs) -> int:
     return args.num_train_epochs * math.ceil(micro / args.gradient_accumulation_steps)
 
 
-def load_model(model_dir, lora: LoraConfig | None = None, seed: int = 0) -> LlamaForCausalLM:
-    """The checkpoint in eval mode (no dropout), with LoRA injected (base frozen) when configured."""
-    model = LlamaForCausalLM.from_pretrained(model_dir).eval()
+def load_model(model_dir, lora: LoraConfig | None = None, seed: int = 0):
+    """The checkpoint's causal LM (its family from config.json) in eval mode (no dropout), with LoRA
+    injected (base frozen) when configured."""
+    model = auto.from_pretrained(model_dir).eval()
     if lora is not None:
         inject_lora(model, lora, seed)
     return model

@@ -1,0 +1,246 @@
+"""What the decoder families share, in Flax Linen: the torch-free twin of torch_sources/models/layers.py.
+
+Same public names, same numerics (see the torch file's docstring). Config constants (RoPE inverse
+frequencies, ALiBi slopes) are computed in numpy float32 with torch's op order, so under jit they
+are literals equal to torch's to the ulp. Every projection is a LoraLinear, so LoRA adapters in a
+"lora" collection reach it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_oracles.training.lora import LoraLinear
+
+__all__ = [
+    "RopeScaling", "LayerInputs", "ACTIVATIONS",
+    "rms_norm", "layer_norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "alibi_slopes", "alibi_bias",
+    "causal_mask", "eager_attention", "attend", "default_positions", "layer_inputs",
+    "RMSNorm", "LayerNorm", "GatedMLP", "PlainMLP",
+]
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """config.json `rope_scaling` of Llama 3.1 (rope_type "llama3")."""
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+    rope_type: str = "llama3"
+
+
+class LayerInputs(NamedTuple):
+    """What every decoder layer of a forward shares: the attention mask and the position encoding."""
+    mask: jax.Array                  # bool[B,T,S]: query t may attend key s
+    cos: jax.Array | None = None     # f32[B,T,rotary_dim] (RoPE families)
+    sin: jax.Array | None = None
+    alibi: jax.Array | None = None   # f32[B,N,1,S] (ALiBi families)
+
+
+def _gelu_tanh(x):
+    return jax.nn.gelu(x, approximate=True)
+
+
+def _gelu(x):
+    return jax.nn.gelu(x, approximate=False)
+
+
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu": _gelu, "gelu_pytorch_tanh": _gelu_tanh, "gelu_new": _gelu_tanh,
+               "gelu_tanh": _gelu_tanh}
+
+
+# ---- norms ----------------------------------------------------------------------------------
+
+def rms_norm(x, weight, eps: float):  # x: [..., D]  weight: f32[D]
+    dtype = x.dtype
+    h = x.astype(jnp.float32)
+    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
+    return weight * h.astype(dtype)  # HF casts back before the weight multiply
+
+
+def layer_norm(x, weight, bias, eps: float):  # x: [..., D]  weight, bias: f32[D] | None
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    centered = x - mean
+    var = jnp.mean(centered * centered, axis=-1, keepdims=True)  # biased, as torch's
+    y = centered * jax.lax.rsqrt(var + eps)
+    if weight is not None:
+        y = y * weight
+    return y + bias if bias is not None else y
+
+
+class RMSNorm(nn.Module):
+    eps: float
+
+    @nn.compact
+    def __call__(self, x):  # f32[..., D]
+        weight = self.param("weight", nn.initializers.ones_init(), (x.shape[-1],), jnp.float32)
+        return rms_norm(x, weight, self.eps)
+
+
+class LayerNorm(nn.Module):
+    eps: float
+    use_bias: bool = True
+
+    @nn.compact
+    def __call__(self, x):  # f32[..., D]
+        weight = self.param("weight", nn.initializers.ones_init(), (x.shape[-1],), jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros_init(), (x.shape[-1],), jnp.float32) if self.use_bias else None
+        return layer_norm(x, weight, bias, self.eps)
+
+
+# ---- positions ------------------------------------------------------------------------------
+
+def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | None = None):  # -> f32[dim/2]
+    """theta^(-2i/dim) in numpy float32 with transformers' op order; `dim` is the rotary dim."""
+    f32 = np.float32
+    inv_freq = f32(1.0) / (f32(theta) ** (np.arange(0, dim, 2).astype(f32) / f32(dim)))
+    s = scaling
+    if s is not None:
+        low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        inv_freq_llama = np.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        smoothed = (1 - smooth) * inv_freq_llama / s.factor + smooth * inv_freq_llama
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        inv_freq = np.where(is_medium, smoothed, inv_freq_llama)
+    return jnp.asarray(inv_freq, dtype=jnp.float32)
+
+
+def rope_cos_sin(inv_freq, position_ids):  # f32[rd/2], i32[B,T] -> (cos, sin) f32[B,T,rd]
+    freqs = position_ids[..., None].astype(jnp.float32) * inv_freq.astype(jnp.float32)  # f32[B,T,rd/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def _rotate_half(x):
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-x2, x1], axis=-1)
+
+
+def apply_rope(x, cos, sin):  # x: f32[B,T,N,hd]  cos, sin: f32[B,T,rd], rd <= hd
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot, keep = x[..., :rd], x[..., rd:]  # partial rotary (Phi-3/4): the tail channels pass through
+    return jnp.concatenate([rot * cos + _rotate_half(rot) * sin, keep], axis=-1)
+
+
+def alibi_slopes(num_heads: int):  # -> f32[N]
+    """BLOOM's slopes: b^1..b^p for the largest power of two p <= N, b = 2^(-8/p); the other heads
+    take the odd powers of 2p's base."""
+    p = 2 ** math.floor(math.log2(num_heads))
+    base = np.float32(2 ** (-(2 ** -(math.log2(p) - 3))))
+    slopes = np.power(base, np.arange(1, 1 + p).astype(np.float32))
+    if p != num_heads:
+        extra_base = np.float32(2 ** (-(2 ** -(math.log2(2 * p) - 3))))
+        extra = min(p, num_heads - p)
+        slopes = np.concatenate([slopes, np.power(extra_base, np.arange(1, 1 + 2 * extra, 2).astype(np.float32))])
+    return jnp.asarray(slopes, dtype=jnp.float32)
+
+
+def alibi_bias(slopes, attention_mask):  # f32[N], i32[B,S] -> f32[B,N,1,S]
+    """slope x the key's position, counted over the unpadded keys (mask cumsum - 1, 0 at pads)."""
+    positions = ((jnp.cumsum(attention_mask, axis=-1) - 1) * attention_mask)[:, None, None, :]
+    return slopes[None, :, None, None] * positions.astype(jnp.float32)
+
+
+# ---- masks and attention --------------------------------------------------------------------
+
+def causal_mask(attention_mask, sliding_window: int | None = None):  # i32[B,T] -> bool[B,T,T]
+    """True = query t may attend key s: s <= t, s not padding, and t - s < sliding_window if given."""
+    T = attention_mask.shape[1]
+    idx = jnp.arange(T)
+    allowed = idx[None, :] <= idx[:, None]
+    if sliding_window is not None:
+        allowed = allowed & (idx[:, None] - idx[None, :] < sliding_window)
+    return allowed[None] & attention_mask.astype(jnp.bool_)[:, None, :]
+
+
+def eager_attention(q, k, v, mask, scale: float, bias=None):
+    """q: f32[B,T,N,hd]  k, v: f32[B,S,K,hd]  mask: bool[B,T,S]  bias: f32[B,N,1|T,S] | None -> f32[B,T,N,hd].
+
+    Query head n = j*G + g uses KV head j (HF repeat_kv order); softmax in fp32.
+    """
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, T, K, N // K, H)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k) * scale
+    if bias is not None:
+        scores = scores + bias.reshape(B, K, N // K, *bias.shape[2:])
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(scores.dtype).min)
+    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    return out.reshape(B, T, N, H)
+
+
+def attend(q, k, v, inputs: LayerInputs, scale: float):
+    """Position encoding (RoPE on q and k, or the ALiBi bias), then eager attention: [B,T,N*hd]."""
+    if inputs.cos is not None:
+        q, k = apply_rope(q, inputs.cos, inputs.sin), apply_rope(k, inputs.cos, inputs.sin)
+    out = eager_attention(q, k, v, inputs.mask, scale, inputs.alibi)
+    B, T, N, hd = out.shape
+    return out.reshape(B, T, N * hd)
+
+
+def default_positions(input_ids):  # right padding: 0..T-1 per row
+    B, T = input_ids.shape
+    return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+
+
+def layer_inputs(attention_mask, position_ids=None, *, inv_freq=None, alibi_heads: int | None = None,
+                 sliding_window: int | None = None) -> LayerInputs:
+    """The mask and position encoding every layer of one forward shares (RoPE if inv_freq, ALiBi if
+    alibi_heads). Left-padded generation passes HF's positions (mask cumsum - 1) as position_ids."""
+    mask = causal_mask(attention_mask, sliding_window)
+    cos = sin = alibi = None
+    if inv_freq is not None:
+        if position_ids is None:
+            position_ids = default_positions(attention_mask)
+        cos, sin = rope_cos_sin(inv_freq, position_ids)
+    if alibi_heads is not None:
+        alibi = alibi_bias(alibi_slopes(alibi_heads), attention_mask)
+    return LayerInputs(mask, cos, sin, alibi)
+
+
+# ---- MLPs -----------------------------------------------------------------------------------
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU; separate gate/up projections."""
+    hidden: int
+    intermediate: int
+    act: str
+    use_bias: bool = False
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    lora_scaling: float = 2.0
+
+    @nn.compact
+    def __call__(self, x):
+        gate, up, down = (LoraLinear(f, use_bias=self.use_bias, scaling=self.lora_scaling, name=n)
+                          for f, n in zip((self.intermediate, self.intermediate, self.hidden), self.names))
+        return down(ACTIVATIONS[self.act](gate(x)) * up(x))
+
+
+class PlainMLP(nn.Module):
+    """out(act(in(x))): BLOOM, Falcon, StarCoder2 (named after each release's tensors)."""
+    hidden: int
+    intermediate: int
+    act: str
+    use_bias: bool
+    names: tuple[str, str]
+    lora_scaling: float = 2.0
+
+    @nn.compact
+    def __call__(self, x):
+        up = LoraLinear(self.intermediate, use_bias=self.use_bias, scaling=self.lora_scaling, name=self.names[0])
+        down = LoraLinear(self.hidden, use_bias=self.use_bias, scaling=self.lora_scaling, name=self.names[1])
+        return down(ACTIVATIONS[self.act](up(x)))
