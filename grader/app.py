@@ -127,7 +127,7 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
     """
     if not trusted:
         sandbox.ensure_sandbox()  # refuse up front, never fall back silently
-    from recorder.app import task_class, task_method  # torch-free modules (config + hashes only)
+    from recorder.app import task_class, task_features, task_method  # torch-free modules (config + hashes only)
     from recorder.provenance import stale_reasons
 
     task = cfg.task_name
@@ -135,7 +135,7 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
     stale = stale_reasons(references / f"{task}.h5", cfg)
     if stale and not quiet:
         console.print(f"[yellow]warning: reference is stale[/] ({'; '.join(stale)})")
-    spec_checks, checks = checks_for(task_class(cfg), task_method(cfg))
+    spec_checks, checks = checks_for(task_class(cfg), task_method(cfg), task_features(cfg))
     all_specs = spec_checks + checks
     results: list[Check] = []
     series: dict[str, dict] = {}  # small 1-D outputs (loss trajectories), candidate beside reference, for plots

@@ -19,17 +19,19 @@ class CheckSpec:
     measure: str  # grader.measures.MEASURES key ("pass" for spec checks)
     what: str
     methods: tuple[str, ...] = ()  # training methods it applies to; () = all (and every serving check)
+    features: tuple[str, ...] = ()  # family features it needs (family yaml `features`), all of them; () = any family
 
     @property
     def key(self) -> str:
         return f"{self.level}/{self.name}"
 
 
-def _c(level, name, aspect, measure, what, methods=()):
-    return CheckSpec(level, name, aspect, measure, what, tuple(methods))
+def _c(level, name, aspect, measure, what, methods=(), features=()):
+    return CheckSpec(level, name, aspect, measure, what, tuple(methods), tuple(features))
 
 
 SFT, DPO, PPO = ("sft",), ("dpo",), ("ppo",)
+ALL = ()
 
 
 # Spec checks run in the grader only (nothing to record but the expected names and shapes).
@@ -42,10 +44,25 @@ TRAINING_SPEC = (
 )
 
 _TRAINING_CHECKS = (
-    _c("L1", "rms_norm", "numeric", "tensor", "RMSNorm on random activations"),
-    _c("L1", "rope", "numeric", "tensor", "llama3-scaled inverse frequencies, cos/sin and rotation"),
-    _c("L1", "mlp", "numeric", "tensor", "SwiGLU MLP of layer 0"),
+    _c("L1", "rms_norm", "numeric", "tensor", "RMSNorm on random activations", ALL, ("norm:rms",)),
+    _c("L1", "layer_norm", "numeric", "tensor", "LayerNorm (weight and bias) on random activations", ALL,
+       ("norm:layer",)),
+    _c("L1", "rope", "numeric", "tensor",
+       "inverse frequencies over the rotary dim (llama3-scaled: also the unscaled config form), cos/sin, rotation "
+       "(partial rotary: the tail channels pass through)", ALL, ("pos:rope",)),
+    _c("L1", "alibi", "numeric", "tensor",
+       "ALiBi slopes for power-of-two and other head counts, and the bias of left- and right-padded masks",
+       ALL, ("pos:alibi",)),
+    _c("L1", "mlp", "numeric", "tensor", "layer 0's MLP (gated, fused gate/up or plain, by family)"),
     _c("L1", "attention_core", "numeric", "tensor", "eager GQA attention with causal+padding mask"),
+    _c("L1", "attention_block", "numeric", "tensor",
+       "layer 0's whole attention module: projections (fused or not, biased or not), q/k norms, position "
+       "encoding, core, output projection"),
+    _c("L1", "qkv_split", "numeric", "tensor", "a fused qkv projection's output split into q, k, v heads", ALL,
+       ("qkv:fused",)),
+    _c("L1", "attention_window", "numeric", "tensor",
+       "the sliding-window mask past the window, padded, and eager attention under it", ALL,
+       ("attn:sliding_window",)),
     _c("L1", "lora_linear", "numeric", "tensor", "LoRA linear y = xW^T + s (xA^T)B^T"),
     _c("L1", "data_tokens", "numeric", "agreement", "template+processor token ids on the raw train set", SFT),
     _c("L1", "data_labels", "numeric", "agreement", "label masks (-100 on prompts) on the raw train set", SFT),
@@ -199,12 +216,15 @@ SERVING_CHECKS = (
 CHECKS_BY_CLASS = {"training": (TRAINING_SPEC, TRAINING_CHECKS), "serving": (SERVING_SPEC, SERVING_CHECKS)}
 
 
-def checks_for(task_class: str, method: str | None = None) -> tuple[tuple[CheckSpec, ...], tuple[CheckSpec, ...]]:
-    """(spec checks, other checks) of a task class; for a training method, only the checks that apply to it."""
+def checks_for(task_class: str, method: str | None = None, features=None) -> tuple[tuple[CheckSpec, ...], tuple[CheckSpec, ...]]:
+    """(spec checks, other checks) of a task class; for a training method and family features, only the checks
+    that apply to them (features None: every check, whatever its features)."""
     try:
         groups = CHECKS_BY_CLASS[task_class]
     except KeyError:
         raise ValueError(f"unknown task class {task_class!r}; known: {sorted(CHECKS_BY_CLASS)}") from None
+    if features is not None:
+        groups = tuple(tuple(s for s in g if set(s.features) <= set(features)) for g in groups)
     if method is None:
         return groups
     return tuple(tuple(s for s in g if not s.methods or method in s.methods) for g in groups)

@@ -42,6 +42,11 @@ def task_class(cfg: DictConfig) -> str:
     return cfg.method.task_class if "method" in cfg else cfg.mode.task_class
 
 
+def task_features(cfg: DictConfig) -> frozenset[str] | None:
+    """The family's features (family yaml `features`) that pick its feature checks; None for serving."""
+    return frozenset(cfg.family.features) if "method" in cfg else None
+
+
 def task_method(cfg: DictConfig) -> str | None:
     """The training method (sft, dpo, ...) that picks the task's checks; None for serving."""
     return cfg.method.name if "method" in cfg else None

@@ -131,11 +131,12 @@ def test_decoder_layer_matches_torch(torch_model, jax_model):
     ids, mask = batch(SHAPES[1], seed=2)
     rng = np.random.default_rng(3)
     hidden = rng.standard_normal((*ids.shape, config.hidden_size)).astype(np.float32)
-    tcos, tsin = tm.rope_cos_sin(tm.rope_inv_freq(torch_model.config), torch.arange(ids.shape[1])[None].expand(ids.shape))
     with torch.no_grad():
-        ref = torch_model.model.layers[1](torch.tensor(hidden), tm.causal_mask(torch.tensor(mask)), tcos, tsin).numpy()
-    jcos, jsin = jm.rope_cos_sin(jm.rope_inv_freq(config), jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape))
-    ours = jax.jit(jm.LlamaDecoderLayer(config).apply)({"params": params["model"]["layers_1"]}, jnp.asarray(hidden), jm.causal_mask(jnp.asarray(mask)), jcos, jsin)
+        inputs = tm.layer_inputs(torch_model.config, torch.tensor(mask))
+        ref = torch_model.model.layers[1](torch.tensor(hidden), inputs).numpy()
+    layer = jm.LlamaDecoderLayer(config)
+    ours = jax.jit(lambda p, h, m: layer.apply(p, h, jm.layer_inputs(config, m)))(
+        {"params": params["model"]["layers_1"]}, jnp.asarray(hidden), jnp.asarray(mask))
     assert tensor_score(ours, ref) >= BAR
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from grader.checks import checks_for
 from grader.h5schema import (ROOT_ATTRS, CheckRecord, ReferenceError, read_reference, write_reference)
-from recorder.app import compose_task, known_tasks, task_class, task_method
+from recorder.app import compose_task, known_tasks, task_class, task_features, task_method
 from recorder.provenance import stale_reasons
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ def test_committed_references_follow_the_schema():
     for path in REFS:
         ref = read_reference(path)
         cfg = compose_task(path.stem)
-        spec, checks = checks_for(task_class(cfg), task_method(cfg))
+        spec, checks = checks_for(task_class(cfg), task_method(cfg), task_features(cfg))
         want = {c.key for c in spec + checks if c.name != "torch_free"}
         assert want == set(ref.checks), (f"{path.name}: lacks {sorted(want - set(ref.checks))}, holds checks of "
                                          f"another method {sorted(set(ref.checks) - want)}")

@@ -38,6 +38,9 @@ class Ctx:
         modname = fam["model_module"][:-3].replace("/", ".")
         self.family = importlib.import_module(f"jax_oracles.{modname}")
         self.conversion = importlib.import_module(f"conversion.{modname.split('.')[-1]}")
+        self.template = fam["template"]
+        self.features = frozenset(fam["features"])
+        self.layers, self.attention = fam["layers"], fam["attention"]
         self._params = None
 
     @property
@@ -67,7 +70,21 @@ class Ctx:
 
     @property
     def args(self):
-        return getattr(self.workflow, METHOD_ENTRIES[self.method][0])(**self.train)
+        return getattr(self.workflow, METHOD_ENTRIES[self.method][0])(**self.train, template=self.template)
+
+    @property
+    def layer0_params(self):
+        """Params of decoder layer 0 (the family yaml's `layers` path: model.layers -> model/layers_0)."""
+        *root, name = self.layers.split(".")
+        tree = self.params
+        for key in (*root, f"{name}_0"):
+            tree = tree[key]
+        return tree
+
+    def inputs(self, inp):
+        """The family's LayerInputs from the check's attention_mask and position_ids."""
+        return self.family.layer_inputs(self.config, jnp.asarray(inp["attention_mask"]),
+                                        jnp.asarray(inp["position_ids"]))
 
     def run(self):
         """The candidate's own entry point from the raw dataset (once for every L5 check)."""
@@ -114,20 +131,54 @@ def probe_lora_trainable(ctx, inp):
 # ---- L1 operators ------------------------------------------------------------------------------
 
 def probe_rms_norm(ctx, inp):
-    return {"y": n(ctx.family.rms_norm(inp["x"], inp["weight"], ctx.config.rms_norm_eps))}
+    return {"y": n(ctx.family.rms_norm(inp["x"], inp["weight"], ctx.config.norm_eps))}
+
+
+def probe_layer_norm(ctx, inp):
+    x, w, b = (jnp.asarray(inp[k]) for k in ("x", "weight", "bias"))
+    return {"y": n(ctx.family.layer_norm(x, w, b, ctx.config.norm_eps))}
 
 
 def probe_rope(ctx, inp):
     inv = ctx.family.rope_inv_freq(ctx.config)
     cos, sin = ctx.family.rope_cos_sin(inv, jnp.asarray(inp["position_ids"]))
-    unscaled = ctx.family.rope_inv_freq(ctx.cls("Config").from_hf(json.loads(str(inp["unscaled_config"]))))
-    return {"inv_freq": n(inv), "cos": n(cos), "sin": n(sin),
-            "x_rot": n(ctx.family.apply_rope(jnp.asarray(inp["x"]), cos, sin)), "inv_freq_unscaled": n(unscaled)}
+    out = {"inv_freq": n(inv), "cos": n(cos), "sin": n(sin),
+           "x_rot": n(ctx.family.apply_rope(jnp.asarray(inp["x"]), cos, sin))}
+    if "unscaled_config" in inp:
+        unscaled = ctx.cls("Config").from_hf(json.loads(str(inp["unscaled_config"])))
+        out["inv_freq_unscaled"] = n(ctx.family.rope_inv_freq(unscaled))
+    return out
+
+
+def probe_alibi(ctx, inp):
+    out = {f"slopes_{h}": n(ctx.family.alibi_slopes(int(h))) for h in inp["head_counts"]}
+    slopes = ctx.family.alibi_slopes(ctx.config.num_attention_heads)
+    out["bias"] = n(ctx.family.alibi_bias(slopes, jnp.asarray(inp["attention_mask"])))
+    return out
 
 
 def probe_mlp(ctx, inp):
     mlp = ctx.cls("MLP")(ctx.config)
-    return {"y": n(mlp.apply({"params": ctx.params["model"]["layers_0"]["mlp"]}, jnp.asarray(inp["x"])))}
+    return {"y": n(mlp.apply({"params": ctx.layer0_params["mlp"]}, jnp.asarray(inp["x"])))}
+
+
+def probe_attention_block(ctx, inp):
+    attn = ctx.cls("Attention")(ctx.config)
+    out = attn.apply({"params": ctx.layer0_params[ctx.attention]}, jnp.asarray(inp["x"]), ctx.inputs(inp))
+    return {"out": n(out)}
+
+
+def probe_qkv_split(ctx, inp):
+    q, k, v = ctx.family.split_qkv(ctx.config, jnp.asarray(inp["fused"]))
+    return {"q": n(q), "k": n(k), "v": n(v)}
+
+
+def probe_attention_window(ctx, inp):
+    c = ctx.config
+    mask = ctx.family.causal_mask(jnp.asarray(inp["attention_mask"]), c.sliding_window)
+    out = ctx.family.eager_attention(jnp.asarray(inp["q"]), jnp.asarray(inp["k"]), jnp.asarray(inp["v"]), mask,
+                                     c.head_dim ** -0.5)
+    return {"mask": n(mask).astype(np.int8), "out": n(out)}
 
 
 def probe_attention_core(ctx, inp):
@@ -171,11 +222,8 @@ def probe_collate(ctx, inp):
 # ---- L2 / L3 -----------------------------------------------------------------------------------
 
 def probe_decoder_layer(ctx, inp):
-    c, f = ctx.config, ctx.family
-    cos, sin = f.rope_cos_sin(f.rope_inv_freq(c), jnp.asarray(inp["position_ids"]))
-    mask = f.causal_mask(jnp.asarray(inp["attention_mask"]))
-    layer = ctx.cls("DecoderLayer")(c)
-    out = layer.apply({"params": ctx.params["model"]["layers_0"]}, jnp.asarray(inp["hidden"]), mask, cos, sin)
+    layer = ctx.cls("DecoderLayer")(ctx.config)
+    out = layer.apply({"params": ctx.layer0_params}, jnp.asarray(inp["hidden"]), ctx.inputs(inp))
     return {"out": n(out)}
 
 
@@ -187,18 +235,22 @@ def probe_logits(ctx, inp):
 
 
 def probe_logits_unmasked(ctx, inp):
-    """One unpadded row, no attention mask (the forward's default), through the checkpoint and its tied twin."""
+    """One unpadded row, no attention mask (the forward's default); an untied checkpoint also through its tied twin."""
     ids = jnp.asarray(inp["input_ids"])
-    with tempfile.TemporaryDirectory() as tmp:
-        tied = tied_checkpoint(ctx.assets["checkpoint"], Path(tmp))
-        tied_params, tied_config = ctx.conversion.load_params(tied), ctx.cls("Config").from_pretrained(tied)
-    logits = ctx.cls("ForCausalLM")(ctx.config).apply({"params": ctx.params}, ids)
-    return {"logits": n(logits), "logits_tied": n(ctx.cls("ForCausalLM")(tied_config).apply({"params": tied_params}, ids))}
+    out = {"logits": n(ctx.cls("ForCausalLM")(ctx.config).apply({"params": ctx.params}, ids))}
+    if not ctx.config.tie_word_embeddings:
+        with tempfile.TemporaryDirectory() as tmp:
+            tied = tied_checkpoint(ctx.assets["checkpoint"], Path(tmp))
+            tied_params, tied_config = ctx.conversion.load_params(tied), ctx.cls("Config").from_pretrained(tied)
+        out["logits_tied"] = n(ctx.cls("ForCausalLM")(tied_config).apply({"params": tied_params}, ids))
+    return out
 
 
 PROBES = {
     "layout": probe_layout, "param_tree": probe_param_tree, "lora_trainable": probe_lora_trainable,
-    "rms_norm": probe_rms_norm, "rope": probe_rope, "mlp": probe_mlp, "attention_core": probe_attention_core,
+    "rms_norm": probe_rms_norm, "layer_norm": probe_layer_norm, "rope": probe_rope, "alibi": probe_alibi,
+    "mlp": probe_mlp, "attention_core": probe_attention_core, "attention_block": probe_attention_block,
+    "qkv_split": probe_qkv_split, "attention_window": probe_attention_window,
     "lora_linear": probe_lora_linear, "data_tokens": probe_data_tokens, "data_labels": probe_data_labels,
     "collate": probe_collate, "decoder_layer": probe_decoder_layer,
     "logits_b1_t7": probe_logits_unmasked, "logits_b2_t16_pad": probe_logits, "logits_b3_t33_pad": probe_logits,

@@ -62,8 +62,18 @@ class Ctx:
         self.lora = importlib.import_module("torch_sources.training.lora")
         self.workflow = importlib.import_module(f"torch_sources.training.{self.method}")
         args_cls, self.entry = METHOD_ENTRIES[self.method]
-        self.args = getattr(self.workflow, args_cls)(**dict(cfg.method.train))
+        self.args = getattr(self.workflow, args_cls)(**dict(cfg.method.train), template=cfg.family.template)
+        self.features = frozenset(cfg.family.features)
         self.result, self.band, self.l6_attrs = None, None, {}
+
+    def layer0(self, model=None):
+        """Decoder layer 0 of the model (the family yaml's `layers` path)."""
+        return (model or self.model).get_submodule(f"{self.cfg.family.layers}.0")
+
+    def inputs(self, attention_mask, position_ids=None):
+        """The family's LayerInputs (mask and position encoding) for int arrays."""
+        return self.family.layer_inputs(self.config, t(attention_mask).long(),
+                                        None if position_ids is None else t(position_ids).long())
 
     def cls(self, suffix):
         return getattr(self.family, f"{self.prefix}{suffix}")
@@ -126,7 +136,15 @@ def probe_rms_norm(ctx):
     r = rng_for("rms_norm")
     x = r.standard_normal((2, 5, ctx.config.hidden_size), np.float32) * 3
     w = (1 + 0.1 * r.standard_normal(ctx.config.hidden_size)).astype(np.float32)
-    return {"x": x, "weight": w}, {"y": n(ctx.family.rms_norm(t(x), t(w), ctx.config.rms_norm_eps))}
+    return {"x": x, "weight": w}, {"y": n(ctx.family.rms_norm(t(x), t(w), ctx.config.norm_eps))}
+
+
+def probe_layer_norm(ctx):
+    r = rng_for("layer_norm")
+    x = (r.standard_normal((2, 5, ctx.config.hidden_size), np.float32) * 3 + 1.5).astype(np.float32)
+    w = (1 + 0.1 * r.standard_normal(ctx.config.hidden_size)).astype(np.float32)
+    b = (0.1 * r.standard_normal(ctx.config.hidden_size)).astype(np.float32)
+    return {"x": x, "weight": w, "bias": b}, {"y": n(ctx.family.layer_norm(t(x), t(w), t(b), ctx.config.norm_eps))}
 
 
 def unscaled_config_json(ckpt) -> str:
@@ -140,22 +158,77 @@ def unscaled_config_json(ckpt) -> str:
 
 
 def probe_rope(ctx):
+    """The family's inverse frequencies (its rotary dim: partial rotary rotates fewer channels), cos/sin and
+    the rotation of whole heads; for llama3-scaled rope also the unscaled config form it never takes."""
     r = rng_for("rope")
     hd = ctx.config.head_dim
     pos = np.stack([np.arange(9), np.arange(9) + 57]).astype(np.int32)  # past original_max too
     x = r.standard_normal((2, 9, ctx.config.num_attention_heads, hd), np.float32)
     inv = ctx.family.rope_inv_freq(ctx.config)
     cos, sin = ctx.family.rope_cos_sin(inv, t(pos))
-    config = unscaled_config_json(ctx.ckpt)
-    unscaled = ctx.family.rope_inv_freq(ctx.cls("Config").from_hf(json.loads(config)))
-    return {"position_ids": pos, "x": x, "unscaled_config": np.array(config)}, {
-        "inv_freq": n(inv), "cos": n(cos), "sin": n(sin), "x_rot": n(ctx.family.apply_rope(t(x), cos, sin)),
-        "inv_freq_unscaled": n(unscaled)}
+    inputs = {"position_ids": pos, "x": x}
+    outputs = {"inv_freq": n(inv), "cos": n(cos), "sin": n(sin), "x_rot": n(ctx.family.apply_rope(t(x), cos, sin))}
+    if "rope:llama3" in ctx.features:
+        config = unscaled_config_json(ctx.ckpt)
+        inputs["unscaled_config"] = np.array(config)
+        outputs["inv_freq_unscaled"] = n(ctx.family.rope_inv_freq(ctx.cls("Config").from_hf(json.loads(config))))
+    return inputs, outputs
+
+
+ALIBI_HEAD_COUNTS = (4, 6, 12, 20)  # powers of two and not: the extra slopes come from 2p's base
+
+
+def probe_alibi(ctx):
+    """ALiBi slopes for several head counts, and the bias of a left- and a right-padded mask."""
+    am = np.array([[1] * 7, [1] * 4 + [0] * 3, [0] * 2 + [1] * 5], np.int32)
+    slopes = ctx.family.alibi_slopes(ctx.config.num_attention_heads)
+    outputs = {f"slopes_{h}": n(ctx.family.alibi_slopes(h)) for h in ALIBI_HEAD_COUNTS}
+    outputs["bias"] = n(ctx.family.alibi_bias(slopes, t(am).long()))
+    return {"attention_mask": am, "head_counts": np.array(ALIBI_HEAD_COUNTS, np.int64)}, outputs
 
 
 def probe_mlp(ctx):
     x = rng_for("mlp").standard_normal((2, 5, ctx.config.hidden_size), np.float32)
-    return {"x": x}, {"y": n(ctx.model.model.layers[0].mlp(t(x)))}
+    return {"x": x}, {"y": n(ctx.layer0().mlp(t(x)))}
+
+
+def _attention_case(name, T=9):
+    r = rng_for(name)
+    am = np.array([[1] * T, [1] * (T - 3) + [0] * 3], np.int32)
+    return r, am, np.broadcast_to(np.arange(T, dtype=np.int32), (2, T)).copy()
+
+
+def probe_attention_block(ctx):
+    """Layer 0's whole attention module (its projections, fused or not, biases, q/k norms, position
+    encoding and core) on random hidden states with a padded row."""
+    r, am, pos = _attention_case("attention_block")
+    x = r.standard_normal((2, 9, ctx.config.hidden_size), np.float32)
+    attn = getattr(ctx.layer0(), ctx.cfg.family.attention)
+    return {"x": x, "attention_mask": am, "position_ids": pos}, {"out": n(attn(t(x), ctx.inputs(am, pos)))}
+
+
+def probe_qkv_split(ctx):
+    """A fused projection's output split into q, k, v heads the family's way (interleaved, grouped, blocks)."""
+    c = ctx.config
+    width = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    fused = rng_for("qkv_split").standard_normal((2, 5, width), np.float32)
+    q, k, v = ctx.family.split_qkv(c, t(fused))
+    return {"fused": fused}, {"q": n(q), "k": n(k), "v": n(v)}
+
+
+def probe_attention_window(ctx):
+    """The sliding-window mask on a sequence twice the window, padded, and eager attention under it."""
+    c = ctx.config
+    T = 2 * c.sliding_window + 3
+    r = rng_for("attention_window")
+    am = np.array([[1] * T, [1] * (T - 4) + [0] * 4], np.int32)
+    q = r.standard_normal((2, T, c.num_attention_heads, c.head_dim), np.float32)
+    k = r.standard_normal((2, T, c.num_key_value_heads, c.head_dim), np.float32)
+    v = r.standard_normal((2, T, c.num_key_value_heads, c.head_dim), np.float32)
+    mask = ctx.family.causal_mask(t(am), c.sliding_window)
+    out = ctx.family.eager_attention(t(q), t(k), t(v), mask, c.head_dim ** -0.5)
+    return {"q": q, "k": k, "v": v, "attention_mask": am, "sliding_window": np.int64(c.sliding_window)}, {
+        "mask": n(mask).astype(np.int8), "out": n(out)}
 
 
 def probe_attention_core(ctx):
@@ -211,12 +284,11 @@ def probe_collate(ctx):
 # ---- L2 / L3 -----------------------------------------------------------------------------------
 
 def probe_decoder_layer(ctx):
-    r, c, f = rng_for("decoder_layer"), ctx.config, ctx.family
+    r, c = rng_for("decoder_layer"), ctx.config
     hidden = r.standard_normal((2, 7, c.hidden_size), np.float32)
     am = np.array([[1] * 7, [1] * 5 + [0] * 2], np.int32)
     pos = np.broadcast_to(np.arange(7, dtype=np.int32), (2, 7)).copy()
-    cos, sin = f.rope_cos_sin(f.rope_inv_freq(c), t(pos))
-    out = ctx.model.model.layers[0](t(hidden), f.causal_mask(t(am)), cos, sin)
+    out = ctx.layer0()(t(hidden), ctx.inputs(am, pos))
     return {"hidden": hidden, "attention_mask": am, "position_ids": pos}, {"out": n(out)}
 
 
@@ -239,13 +311,17 @@ def _logits_probe(name):
 
 
 def probe_logits_unmasked(ctx):
-    """One unpadded row, no attention mask (the forward's default), through the checkpoint and its tied twin."""
+    """One unpadded row, no attention mask (the forward's default); an untied checkpoint also through its tied
+    twin (a tied release is already that path)."""
     import tempfile
 
     ids = rng_for("logits_b1_t7").integers(0, ctx.config.vocab_size, (1, 7)).astype(np.int32)
-    with tempfile.TemporaryDirectory() as tmp:
-        tied = getattr(ctx.family, f"{ctx.prefix}ForCausalLM").from_pretrained(tied_checkpoint(ctx.ckpt, Path(tmp)))
-    return {"input_ids": ids}, {"logits": n(ctx.model(t(ids).long())), "logits_tied": n(tied(t(ids).long()))}
+    outputs = {"logits": n(ctx.model(t(ids).long()))}
+    if not ctx.config.tie_word_embeddings:
+        with tempfile.TemporaryDirectory() as tmp:
+            tied = getattr(ctx.family, f"{ctx.prefix}ForCausalLM").from_pretrained(tied_checkpoint(ctx.ckpt, Path(tmp)))
+        outputs["logits_tied"] = n(tied(t(ids).long()))
+    return {"input_ids": ids}, outputs
 
 
 def probe_next_token_dist(ctx):
@@ -255,7 +331,9 @@ def probe_next_token_dist(ctx):
 
 PROBES = {
     "layout": probe_layout, "param_tree": probe_param_tree, "lora_trainable": probe_lora_trainable,
-    "rms_norm": probe_rms_norm, "rope": probe_rope, "mlp": probe_mlp, "attention_core": probe_attention_core,
+    "rms_norm": probe_rms_norm, "layer_norm": probe_layer_norm, "rope": probe_rope, "alibi": probe_alibi,
+    "mlp": probe_mlp, "attention_core": probe_attention_core, "attention_block": probe_attention_block,
+    "qkv_split": probe_qkv_split, "attention_window": probe_attention_window,
     "lora_linear": probe_lora_linear, "data_tokens": probe_data_tokens, "data_labels": probe_data_labels,
     "collate": probe_collate, "decoder_layer": probe_decoder_layer,
     "logits_b1_t7": probe_logits_unmasked, **{name: _logits_probe(name) for name in LOGIT_SHAPES},
@@ -395,7 +473,7 @@ def record_task(cfg, dev, console):
     from recorder.probes.training_ppo import PROBES as PPO_PROBES
 
     ctx = Ctx(cfg)
-    spec, checks = checks_for("training", ctx.method)
+    spec, checks = checks_for("training", ctx.method, ctx.features)
     probes = {**PROBES, **{"dpo": DPO_PROBES, "ppo": PPO_PROBES}.get(ctx.method, {})}
     records = run_probes([s for s in spec + checks if s.name != "torch_free"], probes, ctx, console)
     for r in records:  # what the L6 probes computed about the reference run (bands, before-training values)
