@@ -68,11 +68,14 @@ class Defect:
     new: str
     description: str
     methods: tuple[str, ...] = ()  # training only: () = every method (the edited code serves them all)
+    features: tuple[str, ...] = ()  # training only: family features the edited shared code serves (all needed)
 
-    def applies_to(self, task_class: str, family: str, mode: str | None, method: str | None = None) -> bool:
+    def applies_to(self, task_class: str, family: str, mode: str | None, method: str | None = None,
+                   features=None) -> bool:
         return (self.task_class == task_class and (not self.families or family in self.families)
                 and (not self.modes or mode is None or mode in self.modes)
-                and (not self.methods or method is None or method in self.methods))
+                and (not self.methods or method is None or method in self.methods)
+                and (features is None or set(self.features) <= set(features)))
 
 
 @dataclass(frozen=True)
@@ -111,16 +114,17 @@ def load_catalog(path: Path = CATALOG) -> Catalog:
         defects.append(Defect(did, d["class"], _names(d.get("families"), "families", did),
                               _names(d.get("modes"), "modes", did), levels, d["file"], d["edit"]["old"],
                               d["edit"]["new"], " ".join(str(d["description"]).split()),
-                              _names(d.get("methods"), "methods", did)))
+                              _names(d.get("methods"), "methods", did), _names(d.get("features"), "features", did)))
     ids = [d.id for d in defects]
     if len(set(ids)) != len(ids):
         raise ValueError(f"duplicate defect ids: {sorted({i for i in ids if ids.count(i) > 1})}")
     return Catalog(tuple(defects), rationale)
 
 
-def _task_key(cfg) -> tuple[str, str, str | None, str | None]:
-    from recorder.app import task_class, task_method
-    return task_class(cfg), cfg.family.name, cfg.mode.name if "mode" in cfg else None, task_method(cfg)
+def _task_key(cfg) -> tuple:
+    from recorder.app import task_class, task_features, task_method
+    return (task_class(cfg), cfg.family.name, cfg.mode.name if "mode" in cfg else None, task_method(cfg),
+            task_features(cfg))
 
 
 def applicable(defects, cfg) -> list[Defect]:

@@ -37,10 +37,30 @@ def sha256_dir(path: Path) -> str:
     return h.hexdigest()
 
 
+def model_files(family_file: Path) -> list[Path]:
+    """The family file and every torch_sources/models module it imports, transitively (the shared layers, the
+    model registry, the Llama blocks a Llama-shaped family composes), read statically."""
+    import ast
+
+    models, seen, todo = ROOT / "torch_sources/models", [], [Path(family_file)]
+    while todo:
+        path = todo.pop()
+        if path in seen or not path.is_file():
+            continue
+        seen.append(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch_sources.models"):
+                rest = node.module.split(".")[2:]
+                names = rest[:1] if rest else [a.name for a in node.names]
+                todo += [models / f"{name}.py" for name in names]
+    return sorted(seen)
+
+
 def task_source_files(cfg: DictConfig) -> list[Path]:
     """Every file whose change can change the recorded numbers."""
     task_class = cfg.method.task_class if "method" in cfg else cfg.mode.task_class
-    files = [ROOT / "torch_sources/models" / Path(cfg.family.model_module).name,
+    files = [*model_files(ROOT / "torch_sources/models" / Path(cfg.family.model_module).name),
+             ROOT / "torch_sources/models/auto.py",
              ROOT / "torch_sources/models/loading.py",
              ROOT / f"recorder/probes/{task_class}.py",
              *sorted((ROOT / "recorder/probes").glob(f"{task_class}_*.py")),  # per-method probes
@@ -60,7 +80,7 @@ def task_source_files(cfg: DictConfig) -> list[Path]:
         files += sorted((ROOT / "torch_sources/serving").glob("*.py"))
         files += sorted((ROOT / "torch_sources/serving/models").glob("*.py"))
         files += [ROOT / "grader/trace.py"]
-    return [f for f in files if (f.name != "__init__.py" or f.parent.name == "probes") and f.is_file()]
+    return list(dict.fromkeys(f for f in files if (f.name != "__init__.py" or f.parent.name == "probes") and f.is_file()))
 
 
 def hashed_config(cfg: DictConfig) -> dict:

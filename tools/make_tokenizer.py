@@ -1,16 +1,21 @@
-"""Write the tiny Llama 3 tokenizer under assets/tokenizer/llama3/.
+"""Write the tiny tokenizers under assets/tokenizer/<family>/ (`python tools/make_tokenizer.py [family ...]`,
+default all: llama3 bloom falcon mistral qwen2 qwen3 phi4 starcoder2).
 
-A byte-level BPE (vocab 400: the 256 byte symbols plus 144 merges) trained with `tokenizers`
+Every family shares one byte-level BPE (vocab 400: the 256 byte symbols plus 144 merges) trained with `tokenizers`
 on the SFT corpus (assets/data/sft, so run tools/make_datasets.py first) rendered as the chat
 template lays it out ("user\n\n{text}"), with Llama 3's own pre-tokenizer (its split regex,
-then byte-level without a regex), followed by Llama 3's special tokens: 400 <|begin_of_text|>, 401 <|end_of_text|>,
-402 <|start_header_id|>, 403 <|end_header_id|>, 404 <|eot_id|>, then <|eom_id|>,
-<|python_tag|>, <|finetune_right_pad_id|> and reserved specials (all ids < 512, the model's
-vocab). There is no BOS post-processor: the chat template inserts bos itself, as
-LLaMA-Factory's llama3 template does. tokenizer_config.json follows the base Meta-Llama-3.1
-checkpoints (bos <|begin_of_text|>, eos <|end_of_text|>, no pad token, the Llama 3 chat template), the
-case LLaMA-Factory's `replace_eos` exists for: the template makes <|eot_id|> the eos and the pad.
-Two runs give byte-identical files.
+then byte-level without a regex): ids 0..399 are the same in every family, so one reward model
+scores any of them, and a template's plain-text markers ("[INST]", "Human:", "User:") are whatever
+the BPE makes of them, as in the real Mistral v0.1/v0.2 tokenizers. Each family's special tokens
+follow at ids 400.. (all < 512, the models' vocab); Llama 3's: 400 <|begin_of_text|>,
+401 <|end_of_text|>, 402 <|start_header_id|>, 403 <|end_header_id|>, 404 <|eot_id|>, then <|eom_id|>,
+<|python_tag|>, <|finetune_right_pad_id|> and reserved specials. There is no BOS post-processor:
+a template that wants bos inserts it itself (LLaMA-Factory's `format_prefix`).
+
+tokenizer_config.json names bos/eos/pad as the family's reference release does (FAMILIES): e.g. the
+base Meta-Llama-3.1 checkpoints (bos <|begin_of_text|>, eos <|end_of_text|>, no pad token, the
+Llama 3 chat template), the case LLaMA-Factory's `replace_eos` exists for: the template makes
+<|eot_id|> the eos and the pad. Two runs give byte-identical files.
 """
 
 from __future__ import annotations
@@ -18,14 +23,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-__all__ = ["VOCAB_SIZE", "SPECIAL_TOKENS", "corpus", "build_tokenizer", "tokenizer_config", "main"]
+__all__ = ["VOCAB_SIZE", "SPECIAL_TOKENS", "Family", "FAMILIES", "corpus", "build_bpe", "build_tokenizer",
+           "tokenizer_config", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = ROOT / "assets" / "data" / "sft"
-OUT_DIR = ROOT / "assets" / "tokenizer" / "llama3"
+OUT_ROOT = ROOT / "assets" / "tokenizer"
+OUT_DIR = OUT_ROOT / "llama3"
 VOCAB_SIZE = 400
 SPECIAL_TOKENS = (
     "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
@@ -58,7 +66,41 @@ def corpus(data_dir: Path = DATA_DIR) -> list[str]:
     return lines
 
 
-def build_tokenizer(texts: list[str]) -> Tokenizer:
+class Family(NamedTuple):  # not a dataclass: tests load this file without registering it in sys.modules
+    """A family's special tokens (ids 400.. in this order) and the bos/eos/pad/unk its tokenizer_config names."""
+
+    specials: tuple[str, ...]
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    chat_template: str | None = None
+
+
+FAMILIES = {
+    "llama3": Family(SPECIAL_TOKENS, "<|begin_of_text|>", "<|end_of_text|>", chat_template=CHAT_TEMPLATE),
+    # bigscience/bloom: <unk> <s> </s> <pad> lead its vocab, all four named in the config
+    "bloom": Family(("<unk>", "<s>", "</s>", "<pad>"), "<s>", "</s>", pad_token="<pad>", unk_token="<unk>"),
+    # tiiuae/falcon-7b names only eos (no bos, no pad: LLaMA-Factory pads with eos)
+    "falcon": Family(("<|endoftext|>",), None, "<|endoftext|>"),
+    # Mistral-7B v0.1/v0.2: bos <s>, eos </s>, no pad
+    "mistral": Family(("<unk>", "<s>", "</s>"), "<s>", "</s>", unk_token="<unk>"),
+    # the Qwen2 base releases: no bos, eos = pad = <|endoftext|> (the qwen template makes <|im_end|> the eos)
+    "qwen2": Family(("<|endoftext|>", "<|im_start|>", "<|im_end|>"), None, "<|endoftext|>",
+                    pad_token="<|endoftext|>"),
+    # Qwen3-0.6B: no bos, eos <|im_end|>, pad <|endoftext|>
+    "qwen3": Family(("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"), None, "<|im_end|>",
+                    pad_token="<|endoftext|>"),
+    # microsoft/phi-4: bos <|endoftext|>, eos <|im_end|>, pad <|dummy_85|>
+    "phi4": Family(("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|im_sep|>", "<|dummy_85|>"), "<|endoftext|>",
+                   "<|im_end|>", pad_token="<|dummy_85|>"),
+    # bigcode/starcoder2: bos = eos = <|endoftext|>, no pad
+    "starcoder2": Family(("<|endoftext|>",), "<|endoftext|>", "<|endoftext|>"),
+}
+
+
+def build_bpe(texts: list[str]) -> Tokenizer:
+    """The shared byte-level BPE, ids 0..VOCAB_SIZE-1, no special tokens."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
@@ -70,35 +112,53 @@ def build_tokenizer(texts: list[str]) -> Tokenizer:
     tok.train_from_iterator(texts, trainer=trainer)
     if tok.get_vocab_size() != VOCAB_SIZE:  # specials must land on ids 400.. exactly
         raise ValueError(f"BPE vocab is {tok.get_vocab_size()}, expected {VOCAB_SIZE}: corpus too small")
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
-    for i, token in enumerate(SPECIAL_TOKENS):
+    return tok
+
+
+def build_tokenizer(texts: list[str], family: str = "llama3", bpe: Tokenizer | None = None) -> Tokenizer:
+    """The shared BPE (trained on texts unless given) plus the family's special tokens at ids 400.."""
+    tok = Tokenizer.from_str((bpe or build_bpe(texts)).to_str())  # a copy: the shared BPE stays special-free
+    specials = FAMILIES[family].specials
+    tok.add_special_tokens(list(specials))
+    for i, token in enumerate(specials):
         assert tok.token_to_id(token) == VOCAB_SIZE + i, token
     return tok
 
 
-def tokenizer_config() -> dict:
+def tokenizer_config(family: str = "llama3") -> dict:
+    fam = FAMILIES[family]
     added = {str(VOCAB_SIZE + i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
                                    "single_word": False, "special": True}
-             for i, t in enumerate(SPECIAL_TOKENS)}
-    return {
+             for i, t in enumerate(fam.specials)}
+    config = {
         "added_tokens_decoder": added,
-        "bos_token": "<|begin_of_text|>",
-        "chat_template": CHAT_TEMPLATE,
+        "bos_token": fam.bos_token,  # null where the release has none (Qwen)
         "clean_up_tokenization_spaces": True,
-        "eos_token": "<|end_of_text|>",
+        "eos_token": fam.eos_token,
         "model_input_names": ["input_ids", "attention_mask"],
         "model_max_length": 256,
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
+    # keys a release leaves out stay out (LLaMA-Factory's pad := eos needs pad unset)
+    for key in ("pad_token", "unk_token", "chat_template"):
+        if getattr(fam, key) is not None:
+            config[key] = getattr(fam, key)
+    return config
 
 
 def main(argv: list[str] | None = None) -> None:
-    del argv
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(corpus())
-    tok.save(str(OUT_DIR / "tokenizer.json"))
-    (OUT_DIR / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2, sort_keys=True) + "\n")
-    print(f"wrote {OUT_DIR.relative_to(ROOT)} (vocab {tok.get_vocab_size()})")
+    names = list(argv or FAMILIES)
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown:
+        raise SystemExit(f"unknown families {unknown}; known: {list(FAMILIES)}")
+    bpe = build_bpe(corpus())
+    for name in names:
+        out = OUT_ROOT / name
+        out.mkdir(parents=True, exist_ok=True)
+        tok = build_tokenizer([], name, bpe)
+        tok.save(str(out / "tokenizer.json"))
+        (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(name), indent=2, sort_keys=True) + "\n")
+        print(f"wrote {out.relative_to(ROOT)} (vocab {tok.get_vocab_size()})")
 
 
 if __name__ == "__main__":

@@ -2,13 +2,17 @@
 `pairwise.py`), plain Python.
 
 input_ids = <bos> X1 Y1 X2 Y2 ...; labels = -100 over every prompt X_i, the ids over every
-response Y_i (each assistant turn is trained; Y_i ends with <|eot_id|>). Turns are cut to
+response Y_i (each assistant turn is trained; with llama3 Y_i ends with <|eot_id|>). Turns are cut to
 cutoff_len with `infer_seqlen`, in order, until the budget is used up. No packing (LF packs
 only for stage pt). The JAX side keeps its own copy of torch_sources/training/processor.py.
 
 Pairwise: the prompt (every message but the response, system turn included) is encoded once and
 each response on its own (`encode_oneturn`); `infer_seqlen` runs on the prompt and the longer
 response, so both responses are cut to the same length; labels are -100 over the prompt.
+
+A template with efficient_eos (falcon) has no eos in its assistant slot: every processor appends the
+eos to the response (supervised: once, after the last turn, and turn i > 0's first prompt label is
+the eos, standing for the eos the previous response never got; train_on_prompt is refused).
 """
 
 from __future__ import annotations
@@ -36,11 +40,12 @@ def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple[int
 
 
 def preprocess_supervised_example(encoded_pairs: list[tuple[list[int], list[int]]], cutoff_len: int,
-                                  train_on_prompt: bool = False,
-                                  mask_history: bool = False) -> tuple[list[int], list[int]]:
-    """SupervisedDatasetProcessor._encode_data_example on template.encode_multiturn's pairs."""
+                                  train_on_prompt: bool = False, mask_history: bool = False,
+                                  efficient_eos_id: int | None = None) -> tuple[list[int], list[int]]:
+    """SupervisedDatasetProcessor._encode_data_example on template.encode_multiturn's pairs;
+    efficient_eos_id: the tokenizer's eos when the template has efficient_eos, else None."""
     input_ids, labels = [], []
-    total_length = 0
+    total_length = 0 if efficient_eos_id is None else 1  # room for the appended eos
     if mask_history:
         encoded_pairs = encoded_pairs[::-1]  # the last turns get the budget first
     for turn_idx, (source_ids, target_ids) in enumerate(encoded_pairs):
@@ -51,6 +56,8 @@ def preprocess_supervised_example(encoded_pairs: list[tuple[list[int], list[int]
         total_length += source_len + target_len
         if train_on_prompt:
             source_label = source_ids
+        elif efficient_eos_id is not None and turn_idx != 0:
+            source_label = [efficient_eos_id] + [IGNORE_INDEX] * (source_len - 1)
         else:
             source_label = [IGNORE_INDEX] * source_len
         if mask_history and turn_idx != 0:  # train on the last turn only
@@ -63,20 +70,32 @@ def preprocess_supervised_example(encoded_pairs: list[tuple[list[int], list[int]
         else:
             input_ids += source_ids + target_ids
             labels += source_label + target_label
+    if efficient_eos_id is not None:
+        input_ids += [efficient_eos_id]
+        labels += [efficient_eos_id]
     return input_ids, labels
+
+
+def _efficient_eos_id(tokenizer, template) -> int | None:
+    return tokenizer.eos_token_id if template.efficient_eos else None
 
 
 def preprocess_supervised_dataset(examples: list[dict], tokenizer, template, cutoff_len: int,
                                   train_on_prompt: bool = False, mask_history: bool = False) -> list[dict]:
     """Alpaca rows -> [dict(input_ids, attention_mask, labels)] (lists of ints, unpadded)."""
+    if train_on_prompt and template.efficient_eos:  # LF's get_template_and_fix_tokenizer refuses it
+        raise ValueError("Current template does not support `train_on_prompt`.")
+    # a reasoning template keeps only the last turn's thought under mask_history
+    discarding_history_cot = mask_history and not template.preserve_thinking
     features = []
     for example in examples:
         messages = alpaca_to_messages(example)
         if len(messages) % 2 != 0:  # LF drops rows without (odd prompt, one response)
             continue
-        pairs = template.encode_multiturn(tokenizer, messages, example.get("system") or None)
+        pairs = template.encode_multiturn(tokenizer, messages, example.get("system") or None,
+                                          discarding_history_cot)
         input_ids, labels = preprocess_supervised_example(
-            pairs, cutoff_len, train_on_prompt, mask_history)
+            pairs, cutoff_len, train_on_prompt, mask_history, _efficient_eos_id(tokenizer, template))
         features.append({"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels})
     return features
 
@@ -105,7 +124,9 @@ def preprocess_pairwise_dataset(examples: list[dict], tokenizer, template, cutof
         system = example.get("system") or None
         encoded = [template.encode_oneturn(tokenizer, prompt + [{"role": "assistant", "content": example[key]}],
                                            system) for key in ("chosen", "rejected")]
-        features.append(preprocess_pairwise_example(encoded[0][0], encoded[0][1], encoded[1][1], cutoff_len))
+        eos = [tokenizer.eos_token_id] if template.efficient_eos else []  # appended before the cut, as in LF
+        features.append(preprocess_pairwise_example(encoded[0][0], encoded[0][1] + eos, encoded[1][1] + eos,
+                                                    cutoff_len))
     return features
 
 
@@ -125,7 +146,8 @@ def preprocess_unsupervised_dataset(examples: list[dict], tokenizer, template, c
         messages = alpaca_to_messages(example)
         if len(messages) % 2 != 0:
             continue
-        # llama3's template has efficient_eos off: the label gets no extra eos
         prompt_ids, response_ids = template.encode_oneturn(tokenizer, messages, example.get("system") or None)
+        if template.efficient_eos:  # the label gets the eos the assistant slot lacks (before the cut)
+            response_ids = response_ids + [tokenizer.eos_token_id]
         features.append(preprocess_unsupervised_example(prompt_ids, response_ids, cutoff_len))
     return features
