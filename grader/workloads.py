@@ -147,8 +147,20 @@ def data_fields(processed, field: str, width: int, fill: int) -> dict[str, np.nd
     """{"<field>": rows under the task's options, "<field>.<variant>": rows under each DATA_VARIANTS entry},
     padded to width. processed(**options) -> the processed examples (each side's own pipeline)."""
     variants = {"": {}, **{f".{k}": v for k, v in DATA_VARIANTS.items()}}
-    return {field + suffix: pad_rows([list(ex[field])[:width] for ex in processed(**options)], width, fill)
-            for suffix, options in variants.items()}
+    out = {}
+    for suffix, options in variants.items():
+        try:
+            rows = [list(ex[field])[:width] for ex in processed(**options)]
+        except ValueError:  # LF refuses the option for this template (train_on_prompt with efficient_eos)
+            if not suffix:
+                raise
+            out[field + suffix] = np.full((1, width), REFUSED, np.int64)
+            continue
+        out[field + suffix] = pad_rows(rows, width, fill)
+    return out
+
+
+REFUSED = -2  # a data variant the template refuses: both sides must refuse it too
 
 
 def pad_rows(rows, width: int | None = None, fill: int = -1) -> np.ndarray:

@@ -154,11 +154,11 @@ def make_llama3_reward(out_dir) -> Path:
     return out
 
 
-def _sibling_builder(family: str):
-    """make_<family> of tools/checkpoints_<family>.py (tools/ is not a package: loaded by path, on use)."""
+def _sibling_builder(family: str, module: str | None = None):
+    """make_<family> of tools/checkpoints_<module or family>.py (tools/ is not a package: loaded by path, on use)."""
     def build(out_dir) -> Path:
         import importlib.util
-        name = f"checkpoints_{family}"
+        name = f"checkpoints_{module or family}"
         spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
@@ -171,7 +171,8 @@ def _sibling_builder(family: str):
 SIBLING_FAMILIES = ("gemma4", "bloom", "falcon", "mistral", "qwen2", "qwen3", "phi4", "starcoder2")
 BUILDERS = {"llama3": make_llama3, "llama3-reward": make_llama3_reward,
             **{f: _sibling_builder(f) for f in SIBLING_FAMILIES
-               if Path(__file__).with_name(f"checkpoints_{f}.py").is_file()}}
+               if Path(__file__).with_name(f"checkpoints_{f}.py").is_file()},
+            "falcon-mqa": _sibling_builder("falcon-mqa", "falcon")}  # Falcon-7B's multi-query layout (tests)
 
 
 # ---- sharding (real HF index format), used by tests -----------------------------------------

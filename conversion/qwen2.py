@@ -1,0 +1,53 @@
+"""HF Qwen2 checkpoint -> Flax Linen params of jax_oracles/models/qwen2.py, torch-free.
+
+Qwen2 stores Llama's tensor names plus q/k/v biases, which llama3's table already maps;
+the tied release stores no lm_head.weight (the head reads the embedding).
+Checked both ways (conversion/rules.py): every source tensor used by exactly one rule, every param the
+Flax model declares (names and shapes from `jax.eval_shape(model.init)`) written.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+
+from conversion import safetensors_io as st_io
+from conversion.llama3 import RULES as LLAMA_RULES
+from conversion.rules import apply_rules, invert_rules
+from jax_oracles.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+
+__all__ = ["RULES", "load_config", "convert_state_dict", "load_params", "hf_layout"]
+
+# (HF name regex, "/"-separated param path formatted with the regex groups, transform)
+RULES = LLAMA_RULES  # Llama's names; its bias rule takes the q/k/v biases
+
+
+def load_config(path) -> Qwen2Config:
+    """Qwen2Config from an HF checkpoint directory's config.json."""
+    return Qwen2Config.from_hf(st_io.load_config(path))
+
+
+def _expected_shapes(config: Qwen2Config) -> dict[str, tuple[int, ...]]:
+    ids = jnp.zeros((1, 1), jnp.int32)
+    shapes = jax.eval_shape(Qwen2ForCausalLM(config).init, jax.random.key(0), ids, ids)["params"]
+    return {path: tuple(leaf.shape) for path, leaf in traverse_util.flatten_dict(shapes, sep="/").items()}
+
+
+def convert_state_dict(state: dict, config: Qwen2Config) -> dict:
+    """HF-named numpy tensors -> nested Linen `params` dict of f32 jax arrays."""
+    state = dict(state)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # some tied checkpoints still store the shared copy
+    return apply_rules(state, RULES, _expected_shapes(config))
+
+
+def load_params(path) -> dict:
+    """Linen `params` tree for jax_oracles.models.qwen2.Qwen2ForCausalLM from an HF checkpoint dir."""
+    return convert_state_dict(st_io.load_state_dict(path), load_config(path))
+
+
+def hf_layout(params) -> dict[str, tuple[int, ...]]:
+    """{HF tensor name: HF shape} each leaf of a converted `params` tree came from: RULES run backwards.
+    A tied head reports nothing (the checkpoint stores only the embedding). Reads no checkpoint file."""
+    return invert_rules(params, RULES)
