@@ -125,10 +125,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). `attention` builds the family's attention."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). `attention` and `feed_forward` build the
+    family's attention and MLP (Phi-3/4: fused qkv and gate/up projections)."""
     config: LlamaConfig
     lora_scaling: float = 2.0
     attention: type = LlamaAttention
+    feed_forward: object = LlamaMLP  # (config, lora_scaling, name=) -> the MLP module
 
     @nn.compact
     def __call__(self, hidden, inputs: LayerInputs):  # f32[B,T,D] -> f32[B,T,D]
@@ -136,7 +138,7 @@ class LlamaDecoderLayer(nn.Module):
         attn_in = RMSNorm(c.rms_norm_eps, name="input_layernorm")(hidden)
         hidden = hidden + self.attention(c, self.lora_scaling, name="self_attn")(attn_in, inputs)
         mlp_in = RMSNorm(c.rms_norm_eps, name="post_attention_layernorm")(hidden)
-        return hidden + LlamaMLP(c, self.lora_scaling, name="mlp")(mlp_in)
+        return hidden + self.feed_forward(c, self.lora_scaling, name="mlp")(mlp_in)
 
 
 class LlamaModel(nn.Module):

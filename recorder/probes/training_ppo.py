@@ -102,7 +102,9 @@ def probe_rollout_rules(ctx):
     for name, options in {"task": {}, **ROLLOUT_SAMPLING_OPTIONS}.items():
         out[f"tokens.{name}"] = n(ctx.workflow.sample_next_tokens(t(logits), t(noise), replace(ctx.args, **options)))
     eos, pad = _gen_ids(ctx)
-    other = [e for e in eos if e != pad][0]
+    # a second stop word ends a response mid-row (llama3's <|eom_id|>); a template with one stop word gets a
+    # plain token there instead
+    other = next((e for e in eos if e != pad), 8)
     queries = np.array([[pad, pad, 400, 5, 6, 7, 8, 9], [400, 1, 2, 3, pad, 4, 5, 6],
                         [pad, 400, 9, 8, 7, 6, 5, 4], [pad, pad, pad, 400, 1, 2, 3, 4]], np.int64)
     responses = np.array([[5, 6, pad, pad, pad, pad], [7, other, pad, pad, pad, pad],

@@ -16,7 +16,7 @@ from torch import nn
 from torch_sources.models import layers
 from torch_sources.models.layers import (GatedMLP, LayerInputs, RMSNorm, RopeScaling, apply_rope, attend,
                                          causal_mask, eager_attention, rms_norm, rope_cos_sin)
-from torch_sources.models.loading import load_config, load_state_dict
+from torch_sources.models.loading import load_config, load_pretrained
 
 __all__ = [
     "RopeScaling", "LlamaConfig",
@@ -117,12 +117,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). `attention` builds the family's attention."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). `attention` and `feed_forward` build the
+    family's attention and MLP (Phi-3/4: fused qkv and gate/up projections)."""
 
-    def __init__(self, config: LlamaConfig, attention=LlamaAttention):
+    def __init__(self, config: LlamaConfig, attention=LlamaAttention, feed_forward=LlamaMLP):
         super().__init__()
         self.self_attn = attention(config)
-        self.mlp = LlamaMLP(config)
+        self.mlp = feed_forward(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -172,21 +173,3 @@ class LlamaForCausalLM(nn.Module):
     def from_pretrained(cls, path):
         """Build from an HF checkpoint directory (single file or sharded index), in fp32, eval mode."""
         return load_pretrained(cls, LlamaConfig.from_pretrained(path), path)
-
-
-def load_pretrained(build, config, path) -> nn.Module:
-    """`build(config)` on the meta device, every parameter assigned from the checkpoint (fp32), eval mode.
-    A tied release may store no head, or the shared copy."""
-    state = {k: v.to(torch.float32) for k, v in load_state_dict(path).items()}
-    with torch.device("meta"):  # no random init: every parameter comes from the checkpoint
-        model = build(config)
-    head = getattr(model, "lm_head", None)
-    tied = head is not None and config.tie_word_embeddings
-    embed_name = next(n for n, _ in model.named_parameters() if n.endswith("word_embeddings.weight")
-                      or n.endswith("embed_tokens.weight"))
-    if tied:
-        state.setdefault("lm_head.weight", state[embed_name])
-    model.load_state_dict(state, strict=True, assign=True)
-    if tied:
-        model.lm_head.weight = model.get_parameter(embed_name)
-    return model.eval()

@@ -13,7 +13,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-__all__ = ["CheckpointError", "load_config", "load_state_dict"]
+__all__ = ["CheckpointError", "load_config", "load_state_dict", "load_pretrained"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -77,3 +77,21 @@ def load_state_dict(path) -> dict[str, torch.Tensor]:
     if (d / INDEX_FILE).is_file():
         return _load_sharded(d)
     raise CheckpointError(f"no weights in {d}: expected {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def load_pretrained(build, config, path) -> torch.nn.Module:
+    """`build(config)` on the meta device, every parameter assigned from the checkpoint (fp32), eval mode.
+    A tied release may store no head, or the shared copy."""
+    state = {k: v.to(torch.float32) for k, v in load_state_dict(path).items()}
+    with torch.device("meta"):  # no random init: every parameter comes from the checkpoint
+        model = build(config)
+    head = getattr(model, "lm_head", None)
+    tied = head is not None and config.tie_word_embeddings
+    embed_name = next(n for n, _ in model.named_parameters() if n.endswith("word_embeddings.weight")
+                      or n.endswith("embed_tokens.weight"))
+    if tied:
+        state.setdefault("lm_head.weight", state[embed_name])
+    model.load_state_dict(state, strict=True, assign=True)
+    if tied:
+        model.lm_head.weight = model.get_parameter(embed_name)
+    return model.eval()

@@ -15,9 +15,8 @@ from dataclasses import dataclass, fields
 from torch_sources.models import layers
 from torch_sources.models.layers import (LayerInputs, RMSNorm, apply_rope, causal_mask, eager_attention, rms_norm,
                                          rope_cos_sin)
-from torch_sources.models.llama3 import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP,
-                                         load_pretrained)
-from torch_sources.models.loading import load_config
+from torch_sources.models.llama3 import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from torch_sources.models.loading import load_config, load_pretrained
 
 __all__ = [
     "Qwen3Config",
