@@ -12,7 +12,10 @@ pytestmark = pytest.mark.sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION_TREES = ("jax_oracles", "serving_engine", "conversion")
-SMOKE = ("llama3-sft", "gemma4-chunked")  # one task per class in CI; every task under -m slow
+# One task per class in CI, plus bloom-sft: the text family least like Llama (ALiBi, LayerNorm, interleaved fused
+# qkv, embedding LayerNorm, `transformer.h` layout), through the family-generic probes. Every task under -m slow
+# (`make test-full`); every family's model is also held against transformers and torch in its own fast test.
+SMOKE = ("llama3-sft", "gemma4-chunked", "bloom-sft")
 ALL_TASKS = sorted(p.stem for p in (ROOT / "references").glob("*.h5"))
 
 
