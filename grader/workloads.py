@@ -15,7 +15,7 @@ import numpy as np
 __all__ = ["SAMPLED", "FINISH_CODES", "TOP_LOGPROBS", "sampled_params", "branch_params", "stop_params", "run_stop_workload",
            "pad_rows", "unpad_rows", "dense_logprobs", "prompt_logprob_arrays", "run_long_decode", "long_decode_config",
            "FIXED_STEPS_VARIANT", "FIXED_STEPS_OPTIONS", "DPO_FIXED_STEPS_OPTIONS", "DATA_VARIANTS", "data_fields", "tied_checkpoint",
-           "fixed_step_runs", "TIE_METRICS", "rewarded_steps", "dpo_trajectory_outputs", "dpo_eval_outputs",
+           "fixed_step_runs", "TIE_METRICS", "WIDTH_METRICS", "width_dependent_metrics", "rewarded_steps", "dpo_trajectory_outputs", "dpo_eval_outputs",
            "PPO_FIXED_STEPS_OPTIONS", "PPO_TIE_STATS", "PPO_NOISE_STATS", "PPO_MOVED_STATS", "moved_steps", "ppo_stats_outputs", "ppo_fixed_step_runs", "ppo_fixed_step_outputs", "prompt_rows", "prompt_features",
            "ROLLOUT_SAMPLING_OPTIONS", "GAE_OPTIONS", "KL_COEFS", "KL_CONTROLLER_KLS"]
 
@@ -44,8 +44,11 @@ PPO_TIE_STATS = ("ppo/policy/clipfrac", "ppo/val/clipfrac")
 # relative measure would grade the noise, so no level grades it from a step (L1 grades it on random tensors).
 PPO_NOISE_STATS = ("ppo/policy/advantages_mean",)
 # While warmup holds the learning rate at 0 (the first step) every mini-batch's log-probs equal the old ones:
-# these are exactly 0 in torch and fp32 noise in another program, so they are graded at the steps that moved.
-PPO_MOVED_STATS = ("ppo/policy/approxkl", "ppo/policy/policykl")
+# the KLs are exactly 0 in torch and fp32 noise in another program, and the policy loss is minus the mini-batch
+# means of the whitened advantages, which whitening cancels to ~1e-7 (exactly 0 when the mini-batches hold equal
+# token counts): a relative measure would grade the noise, so these are graded at the steps that moved (L4's
+# ppo_step0_losses grades the policy loss of a policy that differs from its rollouts).
+PPO_MOVED_STATS = ("ppo/policy/approxkl", "ppo/policy/policykl", "ppo/loss/policy")
 # L1 rollout_rules: the task's sampling settings and two that reach each warper alone
 ROLLOUT_SAMPLING_OPTIONS = {"k_only": {"temperature": 1.3, "top_k": 5, "top_p": 1.0},
                             "p_only": {"temperature": 0.7, "top_k": 0, "top_p": 0.5}}
@@ -128,19 +131,31 @@ def rewarded_steps(step_metrics: dict) -> np.ndarray:
     return np.flatnonzero((chosen != 0) | (rejected != 0)).astype(np.int64)
 
 
-def dpo_trajectory_outputs(step_metrics: dict, steps) -> dict[str, np.ndarray]:
+# LF's logits means average every position of the collated rows, padding included. Under a sliding window a
+# padded query past the window sees no key, and HF's eager attention then spreads it evenly over every key of
+# the batch: its logits depend on the width the collator padded to, which a static-shape port pads otherwise.
+# So for sliding-window families the end-to-end runs leave them out (L4 grades them on torch's own batches).
+WIDTH_METRICS = ("logits/chosen", "logits/rejected")
+
+
+def width_dependent_metrics(features) -> tuple[str, ...]:
+    return WIDTH_METRICS if "attn:sliding_window" in set(features or ()) else ()
+
+
+def dpo_trajectory_outputs(step_metrics: dict, steps, skip=()) -> dict[str, np.ndarray]:
     """The graded per-step metrics of an end-to-end DPO run: the rewards at `steps` (rewarded_steps of the
-    reference run), log-probs and logits means at every step, no TIE_METRICS."""
+    reference run), log-probs and logits means at every step, no TIE_METRICS and no `skip`."""
     steps = np.asarray(steps, np.int64)
     return {metric_key(k): np.asarray(v, np.float32)[steps] if k.startswith("rewards/") else np.asarray(v, np.float32)
-            for k, v in step_metrics.items() if k not in TIE_METRICS}
+            for k, v in step_metrics.items() if k not in TIE_METRICS and k not in skip}
 
 
-def dpo_eval_outputs(before: dict, after: dict) -> dict[str, np.ndarray]:
+def dpo_eval_outputs(before: dict, after: dict, skip=()) -> dict[str, np.ndarray]:
     """The graded held-out metrics before and after training: before training the policy is the reference, so
-    its rewards are exactly 0 and leave; no TIE_METRICS."""
+    its rewards are exactly 0 and leave; no TIE_METRICS and no `skip`."""
     return {f"{when}.{metric_key(k)}": np.float32(v) for when, d in (("before", before), ("after", after))
-            for k, v in d.items() if k not in TIE_METRICS and not (when == "before" and k.startswith("rewards/"))}
+            for k, v in d.items()
+            if k not in TIE_METRICS and k not in skip and not (when == "before" and k.startswith("rewards/"))}
 
 
 def data_fields(processed, field: str, width: int, fill: int) -> dict[str, np.ndarray]:

@@ -9,6 +9,7 @@ import numpy as np
 
 from grader.probes.training import _lora_from_inputs, _unflatten_steps, n
 from grader.workloads import (DPO_FIXED_STEPS_OPTIONS, dpo_eval_outputs, dpo_trajectory_outputs, fixed_step_runs,
+                              width_dependent_metrics,
                               metric_key, pad_rows)
 
 FIELDS = ("input_ids", "attention_mask", "labels")
@@ -98,11 +99,11 @@ def probe_dpo_e2e_step_losses(ctx, inp):
 
 
 def probe_dpo_e2e_metrics(ctx, inp):
-    return dpo_trajectory_outputs(ctx.run().step_metrics, inp["rewarded_steps"])
+    return dpo_trajectory_outputs(ctx.run().step_metrics, inp["rewarded_steps"], width_dependent_metrics(ctx.features))
 
 
 def probe_dpo_e2e_eval(ctx, inp):
-    return dpo_eval_outputs(ctx.run().eval_before, ctx.run().eval_after)
+    return dpo_eval_outputs(ctx.run().eval_before, ctx.run().eval_after, width_dependent_metrics(ctx.features))
 
 
 def probe_heldout_preference(ctx, inp):

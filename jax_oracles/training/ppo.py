@@ -383,11 +383,18 @@ def compute_rewards(scores, logprobs, ref_logprobs, masks, kl_coef):
     return non_score + scores[:, None] * jax.nn.one_hot(last, T, dtype=non_score.dtype), non_score, kls
 
 
-def compute_advantages(values, rewards, mask, gamma: float, lam: float, whiten_rewards: bool = False):
-    """GAE as a reverse lax.scan over positions -> (masked values, whitened advantages, returns)."""
+def compute_advantages(values, rewards, mask, gamma: float, lam: float, whiten_rewards: bool = False,
+                       width=None):
+    """GAE as a reverse lax.scan over positions -> (masked values, whitened advantages, returns).
+
+    width: how many positions the batch has in torch (the step's static buffer is wider). Whitened rewards
+    are nonzero at masked positions too and GAE carries them backwards, so positions past `width`, which
+    TRL's batch does not have, must carry none."""
     values, rewards = values * mask, rewards * mask
     if whiten_rewards:
         rewards = masked_whiten(rewards, mask, shift_mean=False)
+        if width is not None:
+            rewards = rewards * (jnp.arange(rewards.shape[-1]) < width)
     next_values = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
     deltas = rewards + gamma * next_values - values
 
@@ -464,8 +471,9 @@ def _step_batch(policy, args, lora, v_head, batch, kl_coef):
     ref_logprobs, _, _, _ = batched_forward_pass(policy, None, v_head, batch, batch["query_len"],
                                                  batch["response_len"])
     rewards, non_score, kls = compute_rewards(batch["scores"], logprobs, ref_logprobs, masks, kl_coef)
+    width = jnp.max(batch["query_len"] + batch["response_len"]) - 1  # torch's right-padded rows, shifted
     values, advantages, returns = compute_advantages(values, rewards, masks, args.gamma, args.lam,
-                                                     args.ppo_whiten_rewards)
+                                                     args.ppo_whiten_rewards, width)
     out = {"logprobs": logprobs, "ref_logprobs": ref_logprobs, "values": values, "masks": masks,
            "advantages": advantages, "returns": returns, "kls": kls, "non_score_reward": non_score}
     return jax.tree.map(jax.lax.stop_gradient, {**batch, **out})

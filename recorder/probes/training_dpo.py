@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from grader.workloads import (DPO_FIXED_STEPS_OPTIONS, dpo_eval_outputs, dpo_trajectory_outputs, fixed_step_runs,
+                              width_dependent_metrics,
                               metric_key, pad_rows, rewarded_steps)
 from recorder.probes.training import _flatten_steps, _lora_init, n, rng_for, t
 from recorder.provenance import ROOT
@@ -139,11 +140,12 @@ def probe_dpo_e2e_step_losses(ctx):
 def probe_dpo_e2e_metrics(ctx):
     steps = rewarded_steps(ctx.run().step_metrics)
     return ({"seed": np.int64(ctx.args.seed), "rewarded_steps": steps},
-            dpo_trajectory_outputs(ctx.run().step_metrics, steps))
+            dpo_trajectory_outputs(ctx.run().step_metrics, steps, width_dependent_metrics(ctx.features)))
 
 
 def probe_dpo_e2e_eval(ctx):
-    return {"seed": np.int64(ctx.args.seed)}, dpo_eval_outputs(ctx.run().eval_before, ctx.run().eval_after)
+    return {"seed": np.int64(ctx.args.seed)}, dpo_eval_outputs(ctx.run().eval_before, ctx.run().eval_after,
+                                                                 width_dependent_metrics(ctx.features))
 
 
 def _heldout_batches(ctx) -> list[dict[str, np.ndarray]]:

@@ -19,8 +19,7 @@ from torch import nn
 
 from torch_sources.models.layers import (LayerInputs, LayerNorm, PlainMLP, alibi_bias, alibi_slopes, attend,
                                          causal_mask, eager_attention, layer_norm)
-from torch_sources.models.loading import load_pretrained
-from torch_sources.models.loading import load_config
+from torch_sources.models.loading import load_config, load_pretrained
 
 __all__ = [
     "BloomConfig",

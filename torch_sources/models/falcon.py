@@ -22,8 +22,7 @@ from torch import nn
 from torch_sources.models import layers
 from torch_sources.models.layers import (LayerInputs, LayerNorm, PlainMLP, apply_rope, attend, causal_mask,
                                          eager_attention, layer_norm, rope_cos_sin)
-from torch_sources.models.loading import load_pretrained
-from torch_sources.models.loading import load_config
+from torch_sources.models.loading import load_config, load_pretrained
 
 __all__ = [
     "FalconConfig",

@@ -400,12 +400,17 @@ def compute_rewards(scores, logprobs, ref_logprobs, masks, kl_coef: float):
     return rewards, non_score, kls
 
 
-def compute_advantages(values, rewards, mask, gamma: float, lam: float, whiten_rewards: bool = False):
+def compute_advantages(values, rewards, mask, gamma: float, lam: float, whiten_rewards: bool = False,
+                       width=None):
     """TRL compute_advantages: GAE backwards over every position, returns = advantages + values, advantages
-    whitened over the whole batch -> (masked values, advantages, returns)."""
+    whitened over the whole batch -> (masked values, advantages, returns). Whitened rewards are nonzero at
+    masked positions too (TRL's quirk), so the batch's width matters; `width` (default: every position)
+    is for a twin whose buffers are wider than the batch."""
     values, rewards = values * mask, rewards * mask
     if whiten_rewards:
         rewards = masked_whiten(rewards, mask, shift_mean=False)
+        if width is not None:
+            rewards = rewards * (torch.arange(rewards.shape[-1]) < width)
     lastgaelam, reversed_adv = 0.0, []
     gen_len = rewards.shape[-1]
     for t in reversed(range(gen_len)):
