@@ -8,24 +8,13 @@ model declares (names and shapes from `jax.eval_shape(model.init)`) must be writ
 from __future__ import annotations
 
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import traverse_util
 
 from conversion import safetensors_io as st_io
-from conversion.rules import apply_rules, invert_rules
+from conversion.rules import apply_rules, invert_rules, declared_shapes, keep as _keep, linear as _linear
 from jax_oracles.models.llama3 import LlamaConfig, LlamaForCausalLM
 
 __all__ = ["RULES", "load_config", "convert_state_dict", "load_params", "hf_layout"]
-
-
-def _keep(w: np.ndarray) -> np.ndarray:
-    return w
-
-
-def _linear(w: np.ndarray) -> np.ndarray:  # torch [out, in] -> flax kernel [in, out]
-    return w.T
 
 
 ATTN, MLP = "(q_proj|k_proj|v_proj|o_proj)", "(gate_proj|up_proj|down_proj)"
@@ -49,9 +38,7 @@ def load_config(path) -> LlamaConfig:
 
 
 def _expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    ids = jnp.zeros((1, 1), jnp.int32)
-    shapes = jax.eval_shape(LlamaForCausalLM(config).init, jax.random.key(0), ids, ids)["params"]
-    return {path: tuple(leaf.shape) for path, leaf in traverse_util.flatten_dict(shapes, sep="/").items()}
+    return declared_shapes(LlamaForCausalLM(config))
 
 
 def convert_state_dict(state: dict[str, np.ndarray], config: LlamaConfig) -> dict:

@@ -6,24 +6,13 @@ stay fused: the model splits their outputs, so the kernels are only transposed.
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import traverse_util
 
 from conversion import safetensors_io as st_io
-from conversion.rules import apply_rules, invert_rules
+from conversion.rules import apply_rules, invert_rules, declared_shapes, keep as _keep, linear as _linear
 from jax_oracles.models.phi4 import Phi3Config, Phi3ForCausalLM
 
 __all__ = ["RULES", "load_config", "convert_state_dict", "load_params", "hf_layout"]
-
-
-def _keep(w: np.ndarray) -> np.ndarray:
-    return w
-
-
-def _linear(w: np.ndarray) -> np.ndarray:  # torch [out, in] -> flax kernel [in, out]
-    return w.T
 
 
 ATTN, MLP = "(qkv_proj|o_proj)", "(gate_up_proj|down_proj)"
@@ -45,9 +34,7 @@ def load_config(path) -> Phi3Config:
 
 
 def _expected_shapes(config: Phi3Config) -> dict[str, tuple[int, ...]]:
-    ids = jnp.zeros((1, 1), jnp.int32)
-    shapes = jax.eval_shape(Phi3ForCausalLM(config).init, jax.random.key(0), ids, ids)["params"]
-    return {path: tuple(leaf.shape) for path, leaf in traverse_util.flatten_dict(shapes, sep="/").items()}
+    return declared_shapes(Phi3ForCausalLM(config))
 
 
 def convert_state_dict(state: dict[str, np.ndarray], config: Phi3Config) -> dict:

@@ -8,13 +8,10 @@ Flax model declares (names and shapes from `jax.eval_shape(model.init)`) written
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-from flax import traverse_util
 
 from conversion import safetensors_io as st_io
 from conversion.llama3 import RULES as LLAMA_RULES
-from conversion.rules import apply_rules, invert_rules
+from conversion.rules import apply_rules, invert_rules, declared_shapes
 from jax_oracles.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
 __all__ = ["RULES", "load_config", "convert_state_dict", "load_params", "hf_layout"]
@@ -29,9 +26,7 @@ def load_config(path) -> Qwen2Config:
 
 
 def _expected_shapes(config: Qwen2Config) -> dict[str, tuple[int, ...]]:
-    ids = jnp.zeros((1, 1), jnp.int32)
-    shapes = jax.eval_shape(Qwen2ForCausalLM(config).init, jax.random.key(0), ids, ids)["params"]
-    return {path: tuple(leaf.shape) for path, leaf in traverse_util.flatten_dict(shapes, sep="/").items()}
+    return declared_shapes(Qwen2ForCausalLM(config))
 
 
 def convert_state_dict(state: dict, config: Qwen2Config) -> dict:

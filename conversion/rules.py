@@ -6,11 +6,28 @@ import itertools
 import re
 from collections.abc import Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
 Rule = tuple[str, str, Callable[[np.ndarray], np.ndarray]]
+
+
+def keep(w: np.ndarray) -> np.ndarray:
+    return w
+
+
+def linear(w: np.ndarray) -> np.ndarray:  # torch [out, in] -> flax kernel [in, out]
+    return w.T
+
+
+def declared_shapes(module, with_mask: bool = True) -> dict[str, tuple[int, ...]]:
+    """{"a/b/c": shape} of every param a Linen causal LM declares (`jax.eval_shape` of its init: nothing is
+    allocated), called as module(ids[, mask])."""
+    ids = jnp.zeros((1, 1), jnp.int32)
+    shapes = jax.eval_shape(module.init, jax.random.key(0), *((ids, ids) if with_mask else (ids,)))["params"]
+    return {path: tuple(leaf.shape) for path, leaf in traverse_util.flatten_dict(shapes, sep="/").items()}
 
 
 def apply_rules(state: dict[str, np.ndarray], rules: Sequence[Rule], expected: dict[str, tuple]) -> dict:

@@ -7,24 +7,13 @@ no `lm_head.weight` (an untied copy converts it).
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import traverse_util
 
 from conversion import safetensors_io as st_io
-from conversion.rules import apply_rules, invert_rules
+from conversion.rules import apply_rules, invert_rules, declared_shapes, keep as _keep, linear as _linear
 from jax_oracles.models.starcoder2 import Starcoder2Config, Starcoder2ForCausalLM
 
 __all__ = ["RULES", "load_config", "convert_state_dict", "load_params", "hf_layout"]
-
-
-def _keep(w: np.ndarray) -> np.ndarray:
-    return w
-
-
-def _linear(w: np.ndarray) -> np.ndarray:  # torch [out, in] -> flax kernel [in, out]
-    return w.T
 
 
 ATTN, MLP = "(q_proj|k_proj|v_proj|o_proj)", "(c_fc|c_proj)"
@@ -48,9 +37,7 @@ def load_config(path) -> Starcoder2Config:
 
 
 def _expected_shapes(config: Starcoder2Config) -> dict[str, tuple[int, ...]]:
-    ids = jnp.zeros((1, 1), jnp.int32)
-    shapes = jax.eval_shape(Starcoder2ForCausalLM(config).init, jax.random.key(0), ids, ids)["params"]
-    return {path: tuple(leaf.shape) for path, leaf in traverse_util.flatten_dict(shapes, sep="/").items()}
+    return declared_shapes(Starcoder2ForCausalLM(config))
 
 
 def convert_state_dict(state: dict[str, np.ndarray], config: Starcoder2Config) -> dict:
