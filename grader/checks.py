@@ -54,6 +54,9 @@ _TRAINING_CHECKS = (
        "ALiBi slopes for power-of-two and other head counts, and the bias of left- and right-padded masks",
        ALL, ("pos:alibi",)),
     _c("L1", "mlp", "numeric", "tensor", "layer 0's MLP (gated, fused gate/up or plain, by family)"),
+    _c("L1", "activation", "numeric", "tensor",
+       "layer 0's MLP activation alone, on its negative tail too (an exact GELU and its tanh approximation differ "
+       "by ~1e-4 in an MLP's output but by ~10% past -3)"),
     _c("L1", "attention_core", "numeric", "tensor", "eager GQA attention with causal+padding mask"),
     _c("L1", "attention_block", "numeric", "tensor",
        "layer 0's whole attention module: projections (fused or not, biased or not), q/k norms, position "

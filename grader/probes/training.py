@@ -162,6 +162,11 @@ def probe_mlp(ctx, inp):
     return {"y": n(mlp.apply({"params": ctx.layer0_params["mlp"]}, jnp.asarray(inp["x"])))}
 
 
+def probe_activation(ctx, inp):
+    mlp = ctx.cls("MLP")(ctx.config)
+    return {f"y_{k[2:]}": n(mlp.apply({}, jnp.asarray(inp[k]), method="activation")) for k in inp if k.startswith("x_")}
+
+
 def probe_attention_block(ctx, inp):
     attn = ctx.cls("Attention")(ctx.config)
     out = attn.apply({"params": ctx.layer0_params[ctx.attention]}, jnp.asarray(inp["x"]), ctx.inputs(inp))
@@ -249,7 +254,7 @@ def probe_logits_unmasked(ctx, inp):
 PROBES = {
     "layout": probe_layout, "param_tree": probe_param_tree, "lora_trainable": probe_lora_trainable,
     "rms_norm": probe_rms_norm, "layer_norm": probe_layer_norm, "rope": probe_rope, "alibi": probe_alibi,
-    "mlp": probe_mlp, "attention_core": probe_attention_core, "attention_block": probe_attention_block,
+    "mlp": probe_mlp, "activation": probe_activation, "attention_core": probe_attention_core, "attention_block": probe_attention_block,
     "qkv_split": probe_qkv_split, "attention_window": probe_attention_window,
     "lora_linear": probe_lora_linear, "data_tokens": probe_data_tokens, "data_labels": probe_data_labels,
     "collate": probe_collate, "decoder_layer": probe_decoder_layer,

@@ -223,11 +223,14 @@ class GatedMLP(nn.Module):
     names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     lora_scaling: float = 2.0
 
+    def activation(self, x):  # HF's hidden_act by name (the L1 `activation` check calls it alone)
+        return ACTIVATIONS[self.act](x)
+
     @nn.compact
     def __call__(self, x):
         gate, up, down = (LoraLinear(f, use_bias=self.use_bias, scaling=self.lora_scaling, name=n)
                           for f, n in zip((self.intermediate, self.intermediate, self.hidden), self.names))
-        return down(ACTIVATIONS[self.act](gate(x)) * up(x))
+        return down(self.activation(gate(x)) * up(x))
 
 
 class PlainMLP(nn.Module):
@@ -243,4 +246,7 @@ class PlainMLP(nn.Module):
     def __call__(self, x):
         up = LoraLinear(self.intermediate, use_bias=self.use_bias, scaling=self.lora_scaling, name=self.names[0])
         down = LoraLinear(self.hidden, use_bias=self.use_bias, scaling=self.lora_scaling, name=self.names[1])
-        return down(ACTIVATIONS[self.act](up(x)))
+        return down(self.activation(up(x)))
+
+    def activation(self, x):  # HF's hidden_act by name (the L1 `activation` check calls it alone)
+        return ACTIVATIONS[self.act](x)

@@ -114,13 +114,15 @@ class Phi3MLP(nn.Module):
     config: Phi3Config
     lora_scaling: float = 2.0
 
+    def activation(self, x):  # HF's hidden_act by name (the L1 `activation` check calls it alone)
+        return layers.ACTIVATIONS[self.config.hidden_act](x)
+
     @nn.compact
     def __call__(self, x):  # f32[B,T,D] -> f32[B,T,D]
         c = self.config
         gate_up = LoraLinear(2 * c.intermediate_size, scaling=self.lora_scaling, name="gate_up_proj")(x)
         gate, up = jnp.split(gate_up, 2, axis=-1)
-        return LoraLinear(c.hidden_size, scaling=self.lora_scaling, name="down_proj")(
-            up * layers.ACTIVATIONS[c.hidden_act](gate))
+        return LoraLinear(c.hidden_size, scaling=self.lora_scaling, name="down_proj")(up * self.activation(gate))
 
 
 class Phi3Attention(nn.Module):

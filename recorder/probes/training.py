@@ -192,6 +192,16 @@ def probe_mlp(ctx):
     return {"x": x}, {"y": n(ctx.layer0().mlp(t(x)))}
 
 
+ACTIVATION_GRID = {"core": np.linspace(-3, 4, 57, dtype=np.float32), "tail": np.linspace(-8, -3, 41, dtype=np.float32)}
+
+
+def probe_activation(ctx):
+    """The MLP's activation on a grid: the core, and the negative tail where the GELU variants part."""
+    act = ctx.layer0().mlp.act
+    return ({f"x_{k}": x for k, x in ACTIVATION_GRID.items()},
+            {f"y_{k}": n(act(t(x))) for k, x in ACTIVATION_GRID.items()})
+
+
 def _attention_case(name, T=9):
     r = rng_for(name)
     am = np.array([[1] * T, [1] * (T - 3) + [0] * 3], np.int32)
@@ -332,7 +342,7 @@ def probe_next_token_dist(ctx):
 PROBES = {
     "layout": probe_layout, "param_tree": probe_param_tree, "lora_trainable": probe_lora_trainable,
     "rms_norm": probe_rms_norm, "layer_norm": probe_layer_norm, "rope": probe_rope, "alibi": probe_alibi,
-    "mlp": probe_mlp, "attention_core": probe_attention_core, "attention_block": probe_attention_block,
+    "mlp": probe_mlp, "activation": probe_activation, "attention_core": probe_attention_core, "attention_block": probe_attention_block,
     "qkv_split": probe_qkv_split, "attention_window": probe_attention_window,
     "lora_linear": probe_lora_linear, "data_tokens": probe_data_tokens, "data_labels": probe_data_labels,
     "collate": probe_collate, "decoder_layer": probe_decoder_layer,
