@@ -36,11 +36,13 @@ pytestmark = pytest.mark.sandbox
 ROOT = Path(__file__).resolve().parents[1]
 TASK = "llama3-sft"
 LLAMA = "jax_oracles/models/llama3.py"
+LAYERS = "jax_oracles/models/layers.py"  # the shared layers llama3 composes: rms_norm, eager_attention, MLPs
 RMS_NORM_DEF = "def rms_norm(x, weight, eps: float):  # x: [..., D]  weight: f32[D]\n"
-L1 = ("rms_norm", "rope", "mlp", "attention_core", "lora_linear", "data_tokens", "data_labels", "collate")
-# the mlp check loads the params, which traces the whole model (conversion: jax.eval_shape(model.init)),
-# so a cheat inside rms_norm that raises reaches it too
-BESIDE_RMS_NORM = ("rope", "attention_core", "lora_linear", "data_tokens", "data_labels", "collate")
+L1 = ("rms_norm", "rope", "mlp", "activation", "attention_core", "attention_block", "lora_linear", "data_tokens",
+      "data_labels", "collate")
+# the mlp and attention_block checks load the params, which traces the whole model (conversion:
+# jax.eval_shape(model.init)), so a cheat inside rms_norm that raises reaches them too
+BESIDE_RMS_NORM = ("rope", "activation", "attention_core", "lora_linear", "data_tokens", "data_labels", "collate")
 DEV_SITE = sysconfig.get_paths()["purelib"]  # the dev venv's site-packages: torch lives there
 ANSWER = "L1/rms_norm/outputs/y"
 TORCH = '"".join(map(chr, (116, 111, 114, 99, 104)))'  # "torch", spelled so that no file decides it
@@ -91,7 +93,7 @@ def _spelled(path: Path) -> str:
 
 def test_a_torch_import_built_at_run_time_scores_zero_on_its_check(tmp_path):
     cand = _candidate(tmp_path)
-    _plant(cand, LLAMA, RMS_NORM_DEF, '__import__("importlib").import_module("".join(map(chr, (116, 111, 114, 99, 104))))')
+    _plant(cand, LAYERS, RMS_NORM_DEF, '__import__("importlib").import_module("".join(map(chr, (116, 111, 114, 99, 104))))')
     assert static_scan(cand) == []  # undecidable from the file: only the child can stop it
     report = _grade(cand, tmp_path, ("L1",))
     checks = _by_name(report)
@@ -271,9 +273,9 @@ CHEATS = (*(f"spawn {h}" for h in _SPAWNS), "multiprocessing worker", "sys.meta_
 @pytest.mark.parametrize("how", CHEATS)
 def test_a_cheat_scores_zero_sealed_and_full_marks_behind_the_python_fence_alone(tmp_path, how):
     cand = _candidate(tmp_path)
-    _plant(cand, LLAMA, RMS_NORM_DEF, _cheat_source(how, tmp_path))
+    _plant(cand, LAYERS, RMS_NORM_DEF, _cheat_source(how, tmp_path))
     if how == "multiprocessing worker":
-        with open(cand / LLAMA, "a") as f:
+        with open(cand / LAYERS, "a") as f:
             f.write(_WORKER)
     assert static_scan(cand) == [], "the cheat must get past the static scan: only the child can stop it"
 
@@ -313,7 +315,7 @@ def test_a_loopback_service_reached_through_the_c_socket_module_is_out_of_reach(
     try:
         cand = _candidate(tmp_path)
         # _socket.socket is the C type under socket.socket: the guard's patch of the latter misses it
-        _plant(cand, LLAMA, RMS_NORM_DEF, f"""
+        _plant(cand, LAYERS, RMS_NORM_DEF, f"""
             import _socket, io
             import numpy as np
             s = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
@@ -385,7 +387,7 @@ def test_an_output_file_swapped_for_a_link_to_the_references_scores_zero(tmp_pat
     cand = _candidate(tmp_path)
     # at exit (the child leaves through os._exit, which the candidate wraps) it replaces its outputs with a
     # symlink to the reference: a grader that followed it would read recorded answers as the candidate's
-    _plant(cand, LLAMA, RMS_NORM_DEF, f"""
+    _plant(cand, LAYERS, RMS_NORM_DEF, f"""
         import os, sys
         frame = sys._getframe()
         while "outputs_path" not in frame.f_locals:
@@ -517,7 +519,7 @@ def test_a_run_killed_by_reading_references_says_so(tmp_path):
 
 def test_echoing_the_input_is_not_the_answer(tmp_path):
     cand = _candidate(tmp_path)
-    _plant(cand, LLAMA, RMS_NORM_DEF, "return x")
+    _plant(cand, LAYERS, RMS_NORM_DEF, "return x")
     checks = _by_name(_grade(cand, tmp_path, ("L1",)))
     assert checks["rms_norm"]["score"] < 0.9, checks["rms_norm"]  # rms(x) ~ 3: the norm ratio catches it
     _assert_untouched(checks, *(n for n in L1 if n != "rms_norm"))
@@ -527,16 +529,17 @@ def test_echoing_the_input_is_not_the_answer(tmp_path):
 
 def test_a_hanging_check_times_out_alone(tmp_path):
     cand = _candidate(tmp_path)
-    _plant(cand, LLAMA, "def eager_attention(q, k, v, mask, scale: float):\n", """
+    _plant(cand, LAYERS, "def eager_attention(q, k, v, mask, scale: float, bias=None):\n", """
         while True:
             pass
         """)
     started = time.perf_counter()
     checks = _by_name(_grade(cand, tmp_path, ("L1",), check_timeout_s=6.0))  # the others take ~2 s at most
-    for name in ("attention_core", "mlp"):  # mlp traces the whole model (see BESIDE_RMS_NORM)
+    for name in ("attention_core", "mlp", "attention_block"):  # these trace the whole model (see BESIDE_RMS_NORM)
         assert checks[name]["score"] == 0.0 and checks[name]["reason"].startswith("timeout"), checks[name]
         assert 6.0 <= checks[name]["seconds"] < 20.0, checks[name]
-    _assert_untouched(checks, "rms_norm", "rope", "lora_linear", "data_tokens", "data_labels", "collate")
+    _assert_untouched(checks, "rms_norm", "rope", "activation", "lora_linear", "data_tokens", "data_labels",
+                      "collate")
     assert time.perf_counter() - started < 60.0
 
 
@@ -604,7 +607,8 @@ def test_a_timed_level_shares_one_budget_from_the_childs_start(tmp_path):
 
 def test_a_nan_output_scores_zero(tmp_path):
     cand = _candidate(tmp_path)
-    _plant(cand, LLAMA, "    def __call__(self, x):  # f32[B,T,D]\n", "x = x * jnp.nan", indent=" " * 8)
+    _plant(cand, LAYERS, "    def __call__(self, x):  # f32[..., D] -> f32[..., D]: the gated MLP\n", "x = x * jnp.nan",
+           indent=" " * 8)
     checks = _by_name(_grade(cand, tmp_path, ("L1",)))
     assert checks["mlp"]["score"] == 0.0 and "non-finite" in checks["mlp"]["reason"], checks["mlp"]
     _assert_untouched(checks, *(n for n in L1 if n != "mlp"))

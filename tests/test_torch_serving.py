@@ -181,9 +181,9 @@ def test_decoder_layer_paged_matches_training_layer(family):
     mask = gemma4_model.causal_mask(torch.ones(1, 11, dtype=torch.int32))
     m = runner.model.model
     if family == "llama3":
-        from torch_sources.models.llama3 import rope_cos_sin, rope_inv_freq
+        from torch_sources.models.llama3 import layer_inputs
         hidden = m.embed_tokens(torch.tensor([ids]))
-        ref = m.layers[0](hidden, mask, *rope_cos_sin(rope_inv_freq(m.config), positions[None].long()))
+        ref = m.layers[0](hidden, layer_inputs(m.config, torch.ones(1, 11, dtype=torch.int32), positions[None].long()))
         out, cache = serving.decoder_layer_paged(runner.model, 0, hidden[0], positions, runner.kv_cache, meta)
     else:
         hidden = m.embed(torch.tensor([ids]))

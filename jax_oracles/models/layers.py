@@ -227,7 +227,7 @@ class GatedMLP(nn.Module):
         return ACTIVATIONS[self.act](x)
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x):  # f32[..., D] -> f32[..., D]: the gated MLP
         gate, up, down = (LoraLinear(f, use_bias=self.use_bias, scaling=self.lora_scaling, name=n)
                           for f, n in zip((self.intermediate, self.intermediate, self.hidden), self.names))
         return down(self.activation(gate(x)) * up(x))
