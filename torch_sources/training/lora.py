@@ -63,7 +63,8 @@ def lora_target_specs(model: nn.Module, config: LoraConfig) -> list[tuple[str, i
     LF's find_all_linear_modules: every nn.Linear but the output head; "all" or the named modules."""
     specs = []
     for name, module in model.named_modules():
-        if isinstance(module, LoraLinear) or not isinstance(module, nn.Linear) or name.split(".")[0] == "lm_head":
+        if (isinstance(module, LoraLinear) or not isinstance(module, nn.Linear) or name.split(".")[0] == "lm_head"
+                or name.rsplit(".", 1)[-1] in ("lora_A", "lora_B")):  # an injected adapter's own matrices
             continue
         if "all" in config.target_modules or name.rsplit(".", 1)[-1] in config.target_modules:
             if name.endswith(".base_layer"):
