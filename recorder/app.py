@@ -43,8 +43,8 @@ def task_class(cfg: DictConfig) -> str:
 
 
 def task_features(cfg: DictConfig) -> frozenset[str] | None:
-    """The family's features (family yaml `features`) that pick its feature checks; None for serving."""
-    return frozenset(cfg.family.features) if "method" in cfg else None
+    """The family's features (family yaml `features`) that pick its feature checks."""
+    return frozenset(cfg.family.get("features", ()))
 
 
 def task_method(cfg: DictConfig) -> str | None:

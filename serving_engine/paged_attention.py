@@ -83,12 +83,13 @@ def write_to_kv_cache(k_pages, v_pages, k_new, v_new, slot_mapping):
 
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale: float, sliding_window: int | None = None,
-                           soft_cap: float | None = None, impl: str = "auto"):
+                           soft_cap: float | None = None, sinks=None, impl: str = "auto"):
     """q f32[T,N,H] (flat new tokens of all sequences); k_pages, v_pages f32[P,S,K,H] already
     holding them; kv_lens i32[max_seqs] (new tokens included); page_indices
     i32[max_seqs, pages_per_seq]; cu_q_lens i32[max_seqs+1]; num_seqs i32[1] -> f32[T,N,H].
-    Bottom-right causal, optional sliding window (W keys including self) and soft cap.
+    Bottom-right causal, optional sliding window (W keys including self), soft cap and attention sinks
+    (sinks f32[N]: one logit per query head in the softmax normaliser only, GPT-OSS).
     impl: "auto" (Pallas kernel on GPU, jnp reference elsewhere), "kernel", "interpret", "reference"."""
-    return kernels.paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+    return kernels.paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sinks,
                                    sm_scale=sm_scale, sliding_window=sliding_window,
                                    soft_cap=soft_cap, impl=impl)

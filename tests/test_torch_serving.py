@@ -18,7 +18,8 @@ from torch_sources.serving.sampler import (SamplingMetadata, Sampler, apply_min_
                                            random_sample)
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "assets" / "checkpoints"
-FAMILIES = {family: str(CHECKPOINTS / family) for family in ("llama3", "gemma4")}
+FAMILIES = {family: str(CHECKPOINTS / family) for family in ("llama3", "gemma4", "qwen2", "qwen3")}
+LLAMA_SHAPED = ("llama3", "qwen2", "qwen3")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -180,10 +181,10 @@ def test_decoder_layer_paged_matches_training_layer(family):
     positions = torch.arange(11, dtype=torch.int32)
     mask = gemma4_model.causal_mask(torch.ones(1, 11, dtype=torch.int32))
     m = runner.model.model
-    if family == "llama3":
-        from torch_sources.models.llama3 import layer_inputs
+    if family in LLAMA_SHAPED:
         hidden = m.embed_tokens(torch.tensor([ids]))
-        ref = m.layers[0](hidden, layer_inputs(m.config, torch.ones(1, 11, dtype=torch.int32), positions[None].long()))
+        ref = m.layers[0](hidden, m.layer_inputs_fn(m.config, torch.ones(1, 11, dtype=torch.int32),
+                                                    positions[None].long()))
         out, cache = serving.decoder_layer_paged(runner.model, 0, hidden[0], positions, runner.kv_cache, meta)
     else:
         hidden = m.embed(torch.tensor([ids]))
@@ -191,7 +192,7 @@ def test_decoder_layer_paged_matches_training_layer(family):
         ref, _ = m.layers[1](hidden, ple, mask, *m.rope(positions[None].long())["full_attention"])
         out, cache = serving.decoder_layer_paged(runner.model, 1, hidden[0], ple[0], positions, runner.kv_cache, meta)
     assert tensor_measure(out, ref[0]) >= 0.99999
-    layer = 0 if family == "llama3" else 1
+    layer = 0 if family in LLAMA_SHAPED else 1
     written = cache.k[layer].flatten(0, 1).abs().sum((-1, -2)) > 0  # slots 0..10 hold this prompt, no others
     assert written.tolist() == [True] * 11 + [False] * (written.numel() - 11)
     assert all(cache.k[i].abs().sum() == 0 for i in range(len(cache.k)) if i != layer and cache.k[i] is not None)
@@ -205,6 +206,23 @@ def test_load_model_dispatches_on_model_type():
     assert isinstance(load_model(FAMILIES["llama3"])[1], LlamaForCausalLM)
     config, model = load_model(FAMILIES["gemma4"])
     assert isinstance(model, Gemma4ForCausalLM) and config.num_kv_shared_layers == 2
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_prefill_logits_match_transformers(family):
+    """The paged prefill of the torch engine against transformers' eager model on the same checkpoint:
+    max abs diff <= 1e-5 (fp32 noise), prompts shorter and longer than any sliding window."""
+    transformers = pytest.importorskip("transformers")
+    runner = _runner(family)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(FAMILIES[family], attn_implementation="eager",
+                                                           dtype=torch.float32)
+    rng = np.random.default_rng(12)
+    for length in (1, 5, 19, 40):
+        ids = rng.integers(3, 400, size=length).tolist()
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0]
+        diff = (runner.prefill_logits(ids) - ref).abs().max().item()
+        assert diff <= 1e-5, (family, length, diff)
 
 
 # ---- (3)-(5) the engine vs transformers greedy generate ----------------------------------------------------------

@@ -35,7 +35,17 @@ class Ctx:
         self.conversion = importlib.import_module(f"conversion.{modname.split('.')[-1]}")
         self.engine_config = sv("config").EngineConfig(**task["mode"]["engine"])
         self.workload = task["mode"]["workload"]
+        self.prefix, self.layers = fam["model_prefix"], fam.get("layers", "model.layers")
         self._runner = None
+
+    @property
+    def layer0_params(self):
+        """Params of decoder layer 0 (the family yaml's `layers` path: model.layers -> model/layers_0)."""
+        *root, name = self.layers.split(".")
+        tree = self.runner.model.params
+        for key in (*root, f"{name}_0"):
+            tree = tree[key]
+        return tree
 
     @property
     def runner(self):
@@ -102,7 +112,8 @@ def probe_paged_attention(ctx, inp, impl="auto"):
     out = sv("paged_attention").ragged_paged_attention(
         *(jnp.asarray(inp[k]) for k in ("q", "k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens",
                                         "num_seqs")),
-        sm_scale=float(inp["sm_scale"]), sliding_window=window, soft_cap=cap, impl=impl)
+        sm_scale=float(inp["sm_scale"]), sliding_window=window, soft_cap=cap,
+        sinks=jnp.asarray(inp["sinks"]) if "sinks" in inp else None, impl=impl)
     return {"out": n(out)[: int(inp["cu_q_lens"][-1])]}
 
 
@@ -123,7 +134,32 @@ def probe_rope(ctx, inp):
     for lt, inv in invs.items():
         cos, sin = f.rope_cos_sin(inv, pos)
         out.update({f"{lt}.inv_freq": n(inv), f"{lt}.cos": n(cos), f"{lt}.sin": n(sin)})
+    if hasattr(f, "rope_attention_factor"):  # YaRN scales cos and sin by it
+        out["attention_factor"] = np.float32(f.rope_attention_factor(c))
     return out
+
+
+def probe_moe_routing(ctx, inp):
+    logits = jnp.asarray(inp["router_logits"])
+    weights, idx = ctx.family.route(logits, ctx.config.num_experts_per_tok)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return {"routing": n(jnp.zeros(logits.shape, jnp.float32).at[rows, idx].set(weights))}
+
+
+def probe_expert_activation(ctx, inp):
+    c = ctx.config
+    return {"y": n(ctx.family.swiglu_clamped(jnp.asarray(inp["gate_up"]), c.swiglu_alpha, c.swiglu_limit))}
+
+
+def probe_mxfp4_dequant(ctx, inp):
+    dequantize = ctx.conversion.dequantize_mxfp4
+    return {"values": np.asarray(dequantize(inp["blocks"], inp["scales"]), np.float32),
+            "layer0": np.asarray(dequantize(inp["layer0_blocks"], inp["layer0_scales"]), np.float32)}
+
+
+def probe_moe_block(ctx, inp):
+    mlp = getattr(ctx.family, ctx.prefix + "MLP")(ctx.config)
+    return {"y": n(mlp.apply({"params": ctx.layer0_params["mlp"]}, jnp.asarray(inp["x"])))}
 
 
 def probe_norm(ctx, inp):
@@ -295,7 +331,9 @@ PROBES = {
     "paged_attention": probe_paged_attention, "paged_attention_window_softcap": probe_paged_attention,
     "paged_attention_kernel": probe_paged_attention_kernel,
     "paged_attention_kernel_window_softcap": probe_paged_attention_kernel,
-    "rope": probe_rope, "norm": probe_norm,
+    "paged_attention_sinks": probe_paged_attention, "paged_attention_kernel_sinks": probe_paged_attention_kernel,
+    "rope": probe_rope, "norm": probe_norm, "moe_routing": probe_moe_routing,
+    "expert_activation": probe_expert_activation, "mxfp4_dequant": probe_mxfp4_dequant, "moe_block": probe_moe_block,
     **{f"sampler_{w}": _sampler_probe(w) for w in ("penalties", "temperature", "min_p", "top_k_top_p",
                                                    "greedy", "random")},
     "sampler_pipeline": probe_sampler_pipeline,

@@ -88,9 +88,10 @@ def probe_param_tree(ctx):
 
 # ---- L1 ----------------------------------------------------------------------------------------
 
-def _ragged_case(name, K, H, window=None, cap=None, long=False):
+def _ragged_case(name, K, H, window=None, cap=None, long=False, sinks=False):
     """Prefill, decode, chunk after context, decode in one ragged batch. `long`: contexts past the kernel's
-    64-key blocks, so a flash-style kernel takes several online-softmax steps per query block."""
+    64-key blocks, so a flash-style kernel takes several online-softmax steps per query block. `sinks`: one
+    sink logit per query head, some above every score (the sink takes most of the weight), some below."""
     r = rng_for(name)
     S, N = 4, 2 * K
     if long:
@@ -102,17 +103,21 @@ def _ragged_case(name, K, H, window=None, cap=None, long=False):
     k = r.standard_normal((P, S, K, H), np.float32)
     v = r.standard_normal((P, S, K, H), np.float32)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    return {"q": q, "k_pages": k, "v_pages": v, "kv_lens": np.array(kv_lens, np.int32), "page_indices": table,
+    case = {"q": q, "k_pages": k, "v_pages": v, "kv_lens": np.array(kv_lens, np.int32), "page_indices": table,
             "cu_q_lens": cu, "num_seqs": np.array([4], np.int32), "sm_scale": np.float32(H ** -0.5),
             "sliding_window": np.int32(window or 0), "soft_cap": np.float32(cap or 0.0)}
+    if sinks:
+        case["sinks"] = (r.standard_normal(N) * 2 + np.array([3.0, -2.0] * K)).astype(np.float32)
+    return case
 
 
-def _attention_probe(name, window=None, cap=None, long=False):
+def _attention_probe(name, window=None, cap=None, long=False, sinks=False):
     def probe(ctx):
-        inp = _ragged_case(name, 2, 16, window, cap, long)
+        inp = _ragged_case(name, 2, 16, window, cap, long, sinks)
         out = sv("paged_attention").ragged_paged_attention(
             *(t(inp[k]) for k in ("q", "k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")),
-            sm_scale=float(inp["sm_scale"]), sliding_window=window, soft_cap=cap)
+            sm_scale=float(inp["sm_scale"]), sliding_window=window, soft_cap=cap,
+            sinks=t(inp["sinks"]) if sinks else None)
         used = int(inp["cu_q_lens"][-1])
         return inp, {"out": n(out)[:used]}
     return probe
@@ -131,7 +136,45 @@ def probe_rope(ctx):
     for lt, inv in _inv_freqs(ctx.family, ctx.config).items():
         cos, sin = ctx.family.rope_cos_sin(inv, t(pos))
         out.update({f"{lt}.inv_freq": n(inv), f"{lt}.cos": n(cos), f"{lt}.sin": n(sin)})
+    if hasattr(ctx.family, "rope_attention_factor"):  # YaRN scales cos and sin by it
+        out["attention_factor"] = np.float32(ctx.family.rope_attention_factor(ctx.config))
     return {"position_ids": pos}, out
+
+
+def probe_moe_routing(ctx):
+    """Router logits of 16 tokens, some with ties (all equal, inside the top k, across its boundary) ->
+    each token's routing weights scattered over the experts (0 where not selected)."""
+    r, E, k = rng_for("moe_routing"), ctx.config.num_local_experts, ctx.config.num_experts_per_tok
+    logits = (r.standard_normal((16, E)) * 2).astype(np.float32)
+    logits[3] = logits[3, 0]  # every expert tied
+    logits[5, 1] = logits[5, 2] = logits[5].max() + 1  # a tie inside the top k
+    logits[7] = np.linspace(1.0, -1.0, E, dtype=np.float32)
+    logits[7, k] = logits[7, k - 1]  # a tie across the k-th place: the index rule decides
+    weights, idx = ctx.family.route(t(logits), k)
+    dense = torch.zeros(16, E).scatter_(1, idx.long(), weights)
+    return {"router_logits": logits}, {"routing": n(dense)}
+
+
+def probe_expert_activation(ctx):
+    r, c = rng_for("expert_activation"), ctx.config
+    gate_up = (r.standard_normal((8, 2 * c.intermediate_size)) * 5).astype(np.float32)  # |x| > limit 7 often
+    return {"gate_up": gate_up}, {"y": n(ctx.family.swiglu_clamped(t(gate_up), c.swiglu_alpha, c.swiglu_limit))}
+
+
+def probe_mxfp4_dequant(ctx):
+    """Every byte (both nibbles) under scales from 2^-9 to 2^8, then layer 0's stored down_proj experts."""
+    from safetensors.numpy import load_file
+
+    from torch_sources.models.mxfp4 import dequantize_mxfp4
+
+    blocks = np.arange(256, dtype=np.uint8).reshape(8, 2, 16)
+    scales = (118 + np.arange(16, dtype=np.uint8)).reshape(8, 2)
+    state = load_file(str(ctx.ckpt / "model.safetensors"))
+    inp = {"blocks": blocks, "scales": scales,
+           "layer0_blocks": state["model.layers.0.mlp.experts.down_proj_blocks"],
+           "layer0_scales": state["model.layers.0.mlp.experts.down_proj_scales"]}
+    return inp, {"values": n(dequantize_mxfp4(t(blocks), t(scales))),
+                 "layer0": n(dequantize_mxfp4(t(inp["layer0_blocks"]), t(inp["layer0_scales"])))}
 
 
 def probe_norm(ctx):
@@ -263,6 +306,20 @@ def probe_decoder_layer_paged(ctx):
     k = cache.k[0][t(table).long()].reshape(-1, *cache.k[0].shape[2:])[:T]
     v = cache.v[0][t(table).long()].reshape(-1, *cache.v[0].shape[2:])[:T]
     return inp, {"hidden": n(out), "k_written": n(k), "v_written": n(v)}
+
+
+def _layer0(model, layers_path: str):
+    for name in layers_path.split("."):
+        model = getattr(model, name)
+    return model[0]
+
+
+def probe_moe_block(ctx):
+    r, c = rng_for("moe_block"), ctx.config
+    x = (r.standard_normal((1, 12, c.hidden_size)) * 2).astype(np.float32)
+    with torch.no_grad():
+        y = _layer0(ctx.runner.model, ctx.cfg.family.layers).mlp(t(x))
+    return {"x": x}, {"y": n(y)}
 
 
 # ---- L3 / L4 -----------------------------------------------------------------------------------
@@ -461,7 +518,11 @@ PROBES = {
     "paged_attention_kernel": _attention_probe("paged_attention_kernel", long=True),
     "paged_attention_kernel_window_softcap": _attention_probe("paged_attention_kernel_window_softcap", window=70,
                                                               cap=5.0, long=True),
-    "rope": probe_rope, "norm": probe_norm,
+    "paged_attention_sinks": _attention_probe("paged_attention_sinks", window=5, sinks=True),
+    "paged_attention_kernel_sinks": _attention_probe("paged_attention_kernel_sinks", window=70, long=True,
+                                                     sinks=True),
+    "rope": probe_rope, "norm": probe_norm, "moe_routing": probe_moe_routing,
+    "expert_activation": probe_expert_activation, "mxfp4_dequant": probe_mxfp4_dequant, "moe_block": probe_moe_block,
     **{f"sampler_{w}": _sampler_probe(w) for w in ("penalties", "temperature", "min_p", "top_k_top_p",
                                                    "greedy", "random")},
     "sampler_pipeline": probe_sampler_pipeline, "decoder_layer_paged": probe_decoder_layer_paged,
@@ -479,7 +540,7 @@ def record_task(cfg, dev, console):
     from grader.checks import checks_for
     from recorder.probes import run_probes
 
-    spec, checks = checks_for("serving")
+    spec, checks = checks_for("serving", None, frozenset(cfg.family.get("features", ())))
     ctx = Ctx(cfg)
     records = run_probes([s for s in spec + checks if s.name != "torch_free"], PROBES, ctx, console)
     return records, None, ctx.wall

@@ -9,13 +9,13 @@ from __future__ import annotations
 from types import ModuleType
 
 from conversion.safetensors_io import load_config
-from serving_engine.models import gemma4, llama3
+from serving_engine.models import gemma4, gpt_oss, llama3, qwen2, qwen3
 from serving_engine.models.common import PagedModel
 
 __all__ = ["FAMILIES", "PagedModel", "family", "load_model"]
 
 # config.json model_type -> serving module
-FAMILIES: dict[str, ModuleType] = {"llama": llama3, "gemma4_text": gemma4}
+FAMILIES: dict[str, ModuleType] = {"llama": llama3, "qwen2": qwen2, "qwen3": qwen3, "gemma4_text": gemma4, "gpt_oss": gpt_oss}
 
 
 def family(model_dir) -> ModuleType:

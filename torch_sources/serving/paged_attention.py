@@ -8,7 +8,9 @@ Semantics follow tpu-inference's `ref_ragged_paged_attention` and vLLM's FlashAt
 - causal mask bottom-right aligned: query j of sequence i sits at position kv_len - q_len + j and sees keys
   0..that position; a sliding window W also needs q_pos - k_pos < W (W keys, itself included);
 - optional soft cap on the scores (cap * tanh(s / cap)), fp32 softmax, GQA (query head n reads KV head
-  n // (N / K)).
+  n // (N / K));
+- optional attention sinks (GPT-OSS): a learned logit per query head joins the softmax normaliser only,
+  p_j = exp(s_j) / (exp(sink) + sum_k exp(s_k)), as transformers' eager GPT-OSS attention.
 
 Gemma 4: full and sliding layers may differ in K and H, so every layer gets its own pair of tensors; a
 KV-shared layer owns no cache (its entry is None) and reads the cache of `kv_source_layer(i)`.
@@ -77,8 +79,9 @@ def write_to_kv_cache(k_pages, v_pages, k_new, v_new, slot_mapping):
     return k_pages, v_pages
 
 
-def _attend_one(q, k, v, sm_scale, sliding_window, soft_cap):
-    """One sequence: q f32[Tq,N,H], k, v f32[L,K,H] (L = kv_len, the queries are its last Tq) -> f32[Tq,N,H]."""
+def _attend_one(q, k, v, sm_scale, sliding_window, soft_cap, sinks):
+    """One sequence: q f32[Tq,N,H], k, v f32[L,K,H] (L = kv_len, the queries are its last Tq), sinks f32[N] | None
+    -> f32[Tq,N,H]."""
     Tq, N, H = q.shape
     L, K, _ = k.shape
     q_pos = torch.arange(L - Tq, L)[:, None]  # i64[Tq,1]
@@ -91,14 +94,19 @@ def _attend_one(q, k, v, sm_scale, sliding_window, soft_cap):
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
     scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
-    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    if sinks is not None:  # one extra logit per head, dropped after the softmax
+        sink = sinks.float().view(K, N // K, 1, 1).expand(K, N // K, Tq, 1)
+        probs = torch.softmax(torch.cat([scores.float(), sink], dim=-1), dim=-1)[..., :-1].to(v.dtype)
+    else:
+        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
     return torch.einsum("kgts,skh->tkgh", probs, v).reshape(Tq, N, H)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale: float,
-                           sliding_window: int | None = None, soft_cap: float | None = None):
+                           sliding_window: int | None = None, soft_cap: float | None = None, sinks=None):
     """q f32[T,N,H]; k_pages, v_pages f32[P,S,K,H] (this step's K/V already written); kv_lens i32[max_seqs];
-    page_indices i32[max_seqs, pages_per_seq]; cu_q_lens i32[max_seqs+1]; num_seqs i32[1] -> f32[T,N,H].
+    page_indices i32[max_seqs, pages_per_seq]; cu_q_lens i32[max_seqs+1]; num_seqs i32[1]; sinks f32[N] | None
+    -> f32[T,N,H].
 
     Tokens past cu_q_lens[num_seqs] (bucket padding) get zeros."""
     S = k_pages.shape[1]
@@ -114,5 +122,5 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
         pages = page_indices[i, : -(-L // S)]
         k = k_pages[pages].reshape(-1, K, H)[:L]  # f32[L,K,H]
         v = v_pages[pages].reshape(-1, K, H)[:L]
-        out[start:end] = _attend_one(q[start:end], k, v, sm_scale, sliding_window, soft_cap)
+        out[start:end] = _attend_one(q[start:end], k, v, sm_scale, sliding_window, soft_cap, sinks)
     return out

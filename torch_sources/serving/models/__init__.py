@@ -8,12 +8,13 @@ from __future__ import annotations
 from types import ModuleType
 
 from torch_sources.models.loading import load_config
-from torch_sources.serving.models import gemma4, llama3
+from torch_sources.serving.models import gemma4, gpt_oss, llama3, qwen2, qwen3
 
 __all__ = ["FAMILIES", "family", "load_model"]
 
 # config.json model_type -> serving module
-FAMILIES: dict[str, ModuleType] = {"llama": llama3, "gemma4_text": gemma4}
+FAMILIES: dict[str, ModuleType] = {"llama": llama3, "qwen2": qwen2, "qwen3": qwen3, "gemma4_text": gemma4,
+                                 "gpt_oss": gpt_oss}
 
 
 def family(model_dir) -> ModuleType:

@@ -1,0 +1,83 @@
+"""The Llama-shaped families (Llama 3, Qwen2, Qwen3) over the paged KV cache: twin of
+torch_sources/serving/models/llama_shaped.py.
+
+The math is the family's Linen modules (jax_oracles/models/<family>.py), each bound to its own param
+subtree: the decoder layer's attention class (its `project_qkv` hook gives q, k, v with Qwen2's biases and
+Qwen3's per-head q/k norms before RoPE), its MLP, its RMSNorms. Only the attention core differs from the
+training model: the step's new K/V are written to the paged cache by slot and the queries attend over the
+cache through the block table (ragged, bottom-right causal), so prefill, decode and chunked prefill of many
+sequences are one flat call over T tokens.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import flax.linen as nn
+
+from jax_oracles.models.layers import RMSNorm, apply_rope, rope_cos_sin
+from serving_engine.models.common import PagedModel
+from serving_engine.paged_attention import (AttentionMetadata, PagedKVCache, ragged_paged_attention,
+                                            write_to_kv_cache)
+
+__all__ = ["paged_functions"]
+
+
+def paged_functions(causal_lm, rope_inv_freq, conversion) -> SimpleNamespace:
+    """The four functions the model runner calls (load_model, forward_paged, decoder_layer_paged,
+    compute_logits) for a Llama-shaped Linen causal LM class, its family's `rope_inv_freq(config)` and its
+    conversion module (load_config, load_params)."""
+    layer_cls = causal_lm.decoder_layer  # the family's decoder layer: its attention and MLP builders
+
+    def load_model(model_dir):
+        """(config, PagedModel(config, Linen params)) of an HF checkpoint directory."""
+        config = conversion.load_config(model_dir)
+        return config, PagedModel(config, conversion.load_params(model_dir))
+
+    def _rope(config, positions):  # i32[T] -> (cos, sin) f32[1,T,hd]
+        return rope_cos_sin(rope_inv_freq(config), positions[None])
+
+    def _norm(params, x, eps: float):
+        return RMSNorm(eps).apply({"params": params}, x)
+
+    def _layer(model: PagedModel, i: int, hidden, cos, sin, kv_cache: PagedKVCache, meta: AttentionMetadata):
+        # hidden f32[1,T,D] -> (f32[1,T,D], kv_cache with this step's K/V of layer i written).
+        c, p = model.config, model.params["model"][f"layers_{i}"]
+        attn = layer_cls.attention(c).bind({"params": p["self_attn"]})
+        T = hidden.shape[1]
+        q, k, v = attn.project_qkv(_norm(p["input_layernorm"], hidden, c.rms_norm_eps))  # [1,T,N|K,hd]
+        q, k = apply_rope(q, cos, sin)[0], apply_rope(k, cos, sin)[0]
+        k_pages, v_pages = write_to_kv_cache(kv_cache.k[i], kv_cache.v[i], k, v[0], meta.slot_mapping)
+        kv_cache = kv_cache.replace_layer(i, k_pages, v_pages)
+        out = ragged_paged_attention(q, k_pages, v_pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens,
+                                     meta.num_seqs, sm_scale=c.head_dim ** -0.5, impl=meta.impl)  # f32[T,N,hd]
+        hidden = hidden + attn.o_proj(out.reshape(1, T, -1))
+        mlp_in = _norm(p["post_attention_layernorm"], hidden, c.rms_norm_eps)
+        return hidden + layer_cls.feed_forward(c).apply({"params": p["mlp"]}, mlp_in), kv_cache
+
+    def decoder_layer_paged(model: PagedModel, layer_idx: int, hidden, positions, kv_cache: PagedKVCache,
+                            attn_meta: AttentionMetadata):
+        """One decoder layer on a ragged batch: hidden f32[T,D], positions i32[T] -> (hidden f32[T,D],
+        kv_cache) with this step's K/V of layer layer_idx written into kv_cache."""
+        cos, sin = _rope(model.config, positions)
+        hidden, kv_cache = _layer(model, layer_idx, hidden[None], cos, sin, kv_cache, attn_meta)
+        return hidden[0], kv_cache
+
+    def forward_paged(model: PagedModel, input_ids, positions, kv_cache: PagedKVCache,
+                      attn_meta: AttentionMetadata):
+        """input_ids i32[T], positions i32[T] -> (final-normed hidden f32[T,D], kv_cache). Padding tokens
+        carry slot -1 and sit past cu_q_lens[num_seqs]; their rows are garbage the caller never reads."""
+        c, m = model.config, model.params["model"]
+        cos, sin = _rope(c, positions)
+        hidden = nn.Embed(c.vocab_size, c.hidden_size).apply({"params": m["embed_tokens"]}, input_ids[None])
+        for i in range(c.num_hidden_layers):
+            hidden, kv_cache = _layer(model, i, hidden, cos, sin, kv_cache, attn_meta)
+        return _norm(m["norm"], hidden, c.rms_norm_eps)[0], kv_cache
+
+    def compute_logits(model: PagedModel, hidden):  # f32[n,D] -> f32[n,V]
+        c, params = model.config, model.params
+        if c.tie_word_embeddings:  # the embedding doubles as the output head
+            return hidden @ params["model"]["embed_tokens"]["embedding"].T
+        return nn.Dense(c.vocab_size, use_bias=False).apply({"params": params["lm_head"]}, hidden)
+
+    return SimpleNamespace(load_model=load_model, forward_paged=forward_paged,
+                           decoder_layer_paged=decoder_layer_paged, compute_logits=compute_logits)

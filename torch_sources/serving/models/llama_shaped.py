@@ -1,0 +1,68 @@
+"""The Llama-shaped families (Llama 3, Qwen2, Qwen3) over the paged KV cache.
+
+A family's training-side modules (torch_sources/models/<family>.py) run on a flat ragged batch of tokens;
+only the attention core differs: the step's K/V are written to the cache by slot
+(write_to_kv_cache) and the queries attend through the block table (ragged_paged_attention). The
+attention's own `project_qkv` hook gives q, k, v (with Qwen2's biases, Qwen3's per-head q/k norms
+before RoPE), so a family's serving file is one call of `paged_functions`.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from torch_sources.models.layers import apply_rope, rope_cos_sin
+from torch_sources.serving.paged_attention import AttentionMetadata, PagedKVCache, ragged_paged_attention, \
+    write_to_kv_cache
+
+__all__ = ["paged_functions"]
+
+
+def paged_functions(causal_lm, rope_inv_freq) -> SimpleNamespace:
+    """The four functions the model runner calls (load_model, forward_paged, decoder_layer_paged,
+    compute_logits) for a Llama-shaped causal LM class and its family's `rope_inv_freq(config)`."""
+
+    def load_model(model_dir):
+        model = causal_lm.from_pretrained(model_dir)
+        return model.config, model
+
+    def _rope(model, positions):  # i32[T] -> (cos, sin) f32[1,T,hd]
+        return rope_cos_sin(rope_inv_freq(model.config), torch.as_tensor(positions)[None])
+
+    def _layer(model, i, hidden, cos, sin, kv_cache: PagedKVCache, meta: AttentionMetadata):
+        # hidden f32[1,T,D] -> f32[1,T,D]; writes this step's K/V of layer i into the cache.
+        layer = model.model.layers[i]
+        attn = layer.self_attn
+        T = hidden.shape[1]
+        q, k, v = attn.project_qkv(layer.input_layernorm(hidden))  # f32[1,T,N,hd], f32[1,T,K,hd]
+        q, k = apply_rope(q, cos, sin)[0], apply_rope(k, cos, sin)[0]
+        write_to_kv_cache(kv_cache.k[i], kv_cache.v[i], k, v[0], meta.slot_mapping)
+        out = ragged_paged_attention(q, kv_cache.k[i], kv_cache.v[i], meta.kv_lens, meta.page_indices,
+                                     meta.cu_q_lens, meta.num_seqs, sm_scale=attn.head_dim ** -0.5)  # f32[T,N,hd]
+        hidden = hidden + attn.o_proj(out.reshape(1, T, -1))
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    @torch.no_grad()
+    def decoder_layer_paged(model, layer_idx: int, hidden, positions, kv_cache: PagedKVCache,
+                            attn_meta: AttentionMetadata):
+        """One decoder layer on a ragged batch: hidden f32[T,D], positions i32[T] -> (hidden f32[T,D],
+        kv_cache) with this step's K/V of layer layer_idx written into kv_cache."""
+        cos, sin = _rope(model, positions)
+        return _layer(model, layer_idx, hidden[None], cos, sin, kv_cache, attn_meta)[0], kv_cache
+
+    @torch.no_grad()
+    def forward_paged(model, input_ids, positions, kv_cache: PagedKVCache, attn_meta: AttentionMetadata):
+        """input_ids i32[T], positions i32[T] -> (final-normed hidden f32[T,D], kv_cache)."""
+        cos, sin = _rope(model, positions)
+        hidden = model.model.embed_tokens(torch.as_tensor(input_ids, dtype=torch.int64))[None]  # f32[1,T,D]
+        for i in range(model.config.num_hidden_layers):
+            hidden = _layer(model, i, hidden, cos, sin, kv_cache, attn_meta)
+        return model.model.norm(hidden)[0], kv_cache
+
+    @torch.no_grad()
+    def compute_logits(model, hidden):  # f32[n,D] -> f32[n,V] (a tied head is the embedding)
+        return model.lm_head(hidden)
+
+    return SimpleNamespace(load_model=load_model, forward_paged=forward_paged,
+                           decoder_layer_paged=decoder_layer_paged, compute_logits=compute_logits)

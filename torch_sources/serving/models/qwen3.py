@@ -1,0 +1,13 @@
+"""Qwen3 over the paged KV cache: the Llama-shaped serving path (serving/models/llama_shaped.py) on the
+training-side modules of torch_sources/models/qwen3.py (per-head q_norm / k_norm before RoPE, explicit
+head_dim)."""
+from __future__ import annotations
+
+from torch_sources.models.qwen3 import Qwen3ForCausalLM, rope_inv_freq
+from torch_sources.serving.models.llama_shaped import paged_functions
+
+__all__ = ["load_model", "forward_paged", "decoder_layer_paged", "compute_logits"]
+
+_PAGED = paged_functions(Qwen3ForCausalLM, rope_inv_freq)
+load_model, forward_paged = _PAGED.load_model, _PAGED.forward_paged
+decoder_layer_paged, compute_logits = _PAGED.decoder_layer_paged, _PAGED.compute_logits
