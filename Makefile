@@ -69,12 +69,13 @@ test: venv sandbox    ## the CI suite: fast tests + the static independence cont
 test-full: venv sandbox   ## everything, slow tests included (every recorded task graded)
 	$(PYTEST) -m "not gpu"
 
-bench: venv           ## torch vs JAX, side by side: SFT, DPO and PPO step time; serving decode tokens/s (both families)
+bench: venv           ## torch vs JAX, side by side: SFT, DPO and PPO step time; serving decode tokens/s (llama3, gemma4, gpt_oss)
 	$(PY) bench/bench_sft.py
 	$(PY) bench/bench_dpo.py
 	$(PY) bench/bench_ppo.py
 	$(PY) bench/bench_serving.py --family llama3
 	$(PY) bench/bench_serving.py --family gemma4
+	$(PY) bench/bench_serving.py --family gpt_oss
 
 assets: venv          ## regenerate the tiny checkpoints, tokenizer and datasets (byte-identical)
 	$(PY) tools/make_tokenizer.py

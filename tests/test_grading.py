@@ -12,10 +12,11 @@ pytestmark = pytest.mark.sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION_TREES = ("jax_oracles", "serving_engine", "conversion")
-# One task per class in CI, plus bloom-sft: the text family least like Llama (ALiBi, LayerNorm, interleaved fused
-# qkv, embedding LayerNorm, `transformer.h` layout), through the family-generic probes. Every task under -m slow
+# One task per class in CI, plus the family least like Llama of each class, through the family-generic probes:
+# bloom-sft (ALiBi, LayerNorm, interleaved fused qkv, embedding LayerNorm, `transformer.h` layout) and
+# gpt-oss-chunked (sinks, a top-k MoE, MXFP4 experts, YaRN and its feature checks). Every task under -m slow
 # (`make test-full`); every family's model is also held against transformers and torch in its own fast test.
-SMOKE = ("llama3-sft", "gemma4-chunked", "bloom-sft")
+SMOKE = ("llama3-sft", "gemma4-chunked", "bloom-sft", "gpt-oss-chunked")
 ALL_TASKS = sorted(p.stem for p in (ROOT / "references").glob("*.h5"))
 
 

@@ -20,8 +20,9 @@ import numpy as np
 from jax_oracles.training.lora import LoraLinear
 
 __all__ = [
-    "RopeScaling", "LayerInputs", "ACTIVATIONS",
-    "rms_norm", "layer_norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "alibi_slopes", "alibi_bias",
+    "RopeScaling", "YarnScaling", "LayerInputs", "ACTIVATIONS",
+    "rms_norm", "layer_norm", "rope_inv_freq", "rope_attention_factor", "rope_cos_sin", "apply_rope",
+    "alibi_slopes", "alibi_bias",
     "causal_mask", "eager_attention", "attend", "default_positions", "layer_inputs",
     "RMSNorm", "LayerNorm", "GatedMLP", "PlainMLP",
 ]
@@ -35,6 +36,18 @@ class RopeScaling:
     high_freq_factor: float
     original_max_position_embeddings: int
     rope_type: str = "llama3"
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """config.json `rope_scaling` of a YaRN model (GPT-OSS: factor 32, original 4096, truncate false)."""
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # transformers' default; GPT-OSS sets false (no floor/ceil of the ramp ends)
+    attention_factor: float | None = None  # None: 0.1 ln(factor) + 1
+    rope_type: str = "yarn"
 
 
 class LayerInputs(NamedTuple):
@@ -98,9 +111,11 @@ class LayerNorm(nn.Module):
 
 # ---- positions ------------------------------------------------------------------------------
 
-def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | None = None):  # -> f32[dim/2]
+def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | YarnScaling | None = None):  # -> f32[dim/2]
     """theta^(-2i/dim) in numpy float32 with transformers' op order; `dim` is the rotary dim."""
     f32 = np.float32
+    if isinstance(scaling, YarnScaling):
+        return jnp.asarray(_yarn_inv_freq(dim, theta, scaling), dtype=jnp.float32)
     inv_freq = f32(1.0) / (f32(theta) ** (np.arange(0, dim, 2).astype(f32) / f32(dim)))
     s = scaling
     if s is not None:
@@ -115,10 +130,49 @@ def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | None = None):  
     return jnp.asarray(inv_freq, dtype=jnp.float32)
 
 
-def rope_cos_sin(inv_freq, position_ids):  # f32[rd/2], i32[B,T] -> (cos, sin) f32[B,T,rd]
+def _yarn_inv_freq(dim: int, theta: float, s: YarnScaling) -> np.ndarray:
+    """YaRN (transformers' _compute_yarn_parameters): high frequencies keep theta^(-2i/dim)
+    (extrapolation), low ones are divided by `factor` (interpolation), with a linear ramp between
+    the dims that turn beta_fast and beta_slow times over the original context. The ramp ends are
+    Python doubles; every other array op is float32, as torch's."""
+    f32 = np.float32
+
+    def correction_dim(rotations):  # the dim whose wavelength fits `rotations` times into the context
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    # The power in float64, rounded once: the float32 result nearest the true value. torch's vectorised
+    # powf (1-ulp) and numpy's may each miss it by an ulp, at different i; this pins our side.
+    pos_freqs = (np.float64(theta) ** (np.arange(0, dim, 2).astype(f32) / f32(dim)).astype(np.float64)).astype(f32)
+    extrapolation, interpolation = f32(1.0) / pos_freqs, f32(1.0) / (f32(s.factor) * pos_freqs)
+    ramp = np.clip((np.arange(dim // 2, dtype=f32) - f32(low)) / f32(high - low), f32(0), f32(1))
+    keep = f32(1) - ramp  # weight of the unscaled (extrapolated) frequency
+    return interpolation * (f32(1) - keep) + extrapolation * keep
+
+
+def rope_attention_factor(scaling: RopeScaling | YarnScaling | None) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor (0.1 ln(factor) + 1 unless the
+    config gives one), 1.0 for every other RoPE."""
+    if not isinstance(scaling, YarnScaling):
+        return 1.0
+    if scaling.attention_factor is not None:
+        return float(scaling.attention_factor)
+    return 1.0 if scaling.factor <= 1 else 0.1 * math.log(scaling.factor) + 1.0
+
+
+def rope_cos_sin(inv_freq, position_ids, attention_factor: float = 1.0):
+    """f32[rd/2], i32[B,T] -> (cos, sin) f32[B,T,rd], both times attention_factor (YaRN)."""
     freqs = position_ids[..., None].astype(jnp.float32) * inv_freq.astype(jnp.float32)  # f32[B,T,rd/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if attention_factor != 1.0:  # f32 multiply by the rounded factor, as torch's tensor * python float
+        cos, sin = cos * jnp.float32(attention_factor), sin * jnp.float32(attention_factor)
+    return cos, sin
 
 
 def _rotate_half(x):
@@ -166,10 +220,13 @@ def causal_mask(attention_mask, sliding_window: int | None = None):  # i32[B,T] 
     return allowed[None] & attention_mask.astype(jnp.bool_)[:, None, :]
 
 
-def eager_attention(q, k, v, mask, scale: float, bias=None):
-    """q: f32[B,T,N,hd]  k, v: f32[B,S,K,hd]  mask: bool[B,T,S]  bias: f32[B,N,1|T,S] | None -> f32[B,T,N,hd].
+def eager_attention(q, k, v, mask, scale: float, bias=None, sinks=None):
+    """q: f32[B,T,N,hd]  k, v: f32[B,S,K,hd]  mask: bool[B,T,S]  bias: f32[B,N,1|T,S] | None
+    sinks: f32[N] | None -> f32[B,T,N,hd].
 
-    Query head n = j*G + g uses KV head j (HF repeat_kv order); softmax in fp32.
+    Query head n = j*G + g uses KV head j (HF repeat_kv order); softmax in fp32. Sinks (GPT-OSS) are
+    one learned logit per query head that joins the softmax normaliser only: its column is
+    concatenated, the row max subtracted (transformers' order), and dropped after the softmax.
     """
     B, T, N, H = q.shape
     K = k.shape[2]
@@ -178,8 +235,15 @@ def eager_attention(q, k, v, mask, scale: float, bias=None):
     if bias is not None:
         scores = scores + bias.reshape(B, K, N // K, *bias.shape[2:])
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(scores.dtype).min)
-    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    scores = scores.astype(jnp.float32)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, K, N // K, 1, 1), (*scores.shape[:-1], 1))
+        combined = jnp.concatenate([scores, sink], axis=-1)
+        combined = combined - jnp.max(combined, axis=-1, keepdims=True)
+        probs = jax.nn.softmax(combined, axis=-1)[..., :-1]
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(q.dtype), v)
     return out.reshape(B, T, N, H)
 
 

@@ -15,7 +15,8 @@ from serving_engine.models.common import PagedModel
 __all__ = ["FAMILIES", "PagedModel", "family", "load_model"]
 
 # config.json model_type -> serving module
-FAMILIES: dict[str, ModuleType] = {"llama": llama3, "qwen2": qwen2, "qwen3": qwen3, "gemma4_text": gemma4, "gpt_oss": gpt_oss}
+FAMILIES: dict[str, ModuleType] = {"llama": llama3, "qwen2": qwen2, "qwen3": qwen3, "gemma4_text": gemma4,
+                                 "gpt_oss": gpt_oss}
 
 
 def family(model_dir) -> ModuleType:

@@ -1,11 +1,11 @@
-"""Qwen2 / Qwen2.5 over the paged KV cache: the Llama-shaped serving path (serving_engine/models/llama_shaped.py)
-on the training-side modules of jax_oracles/models/qwen2.py (biased q/k/v, unbiased o_proj, tied head on the
-small releases)."""
+"""Qwen2 / Qwen2.5 over the paged KV cache: the pre-norm decoder serving path
+(serving_engine/models/paged_decoder.py) on the modules of jax_oracles/models/qwen2.py (biased q/k/v,
+unbiased o_proj, a tied head on the small releases)."""
 from __future__ import annotations
 
 from conversion import qwen2 as conversion
 from jax_oracles.models.qwen2 import Qwen2ForCausalLM, rope_inv_freq
-from serving_engine.models.llama_shaped import paged_functions
+from serving_engine.models.paged_decoder import paged_functions
 
 __all__ = ["load_model", "forward_paged", "decoder_layer_paged", "compute_logits"]
 

@@ -1,11 +1,10 @@
-"""Qwen3 over the paged KV cache: the Llama-shaped serving path (serving_engine/models/llama_shaped.py) on the
-training-side modules of jax_oracles/models/qwen3.py (per-head q_norm / k_norm before RoPE, explicit
-head_dim)."""
+"""Qwen3 over the paged KV cache: the pre-norm decoder serving path (serving_engine/models/paged_decoder.py) on
+the modules of jax_oracles/models/qwen3.py (per-head q_norm / k_norm before RoPE, an explicit head_dim)."""
 from __future__ import annotations
 
 from conversion import qwen3 as conversion
 from jax_oracles.models.qwen3 import Qwen3ForCausalLM, rope_inv_freq
-from serving_engine.models.llama_shaped import paged_functions
+from serving_engine.models.paged_decoder import paged_functions
 
 __all__ = ["load_model", "forward_paged", "decoder_layer_paged", "compute_logits"]
 

@@ -20,6 +20,7 @@ MODEL_TYPES = {
     "bloom": ("bloom", "BloomForCausalLM"),
     "falcon": ("falcon", "FalconForCausalLM"),
     "starcoder2": ("starcoder2", "Starcoder2ForCausalLM"),
+    "gpt_oss": ("gpt_oss", "GptOssForCausalLM"),
 }
 
 

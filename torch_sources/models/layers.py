@@ -3,13 +3,15 @@
 Each family file composes these pieces and keeps only what is truly its own (its projections, its
 residual wiring, its checkpoint names). Numerics follow transformers 5.24:
 - RMSNorm computes in fp32 and casts back before the weight; LayerNorm is torch's (biased or not);
-- RoPE: rotate-half layout, inverse frequencies in fp32 (`modeling_rope_utils`: default and llama3
-  scaling), partial rotary rotates the first `rotary_dim` channels and passes the rest through;
+- RoPE: rotate-half layout, inverse frequencies in fp32 (`modeling_rope_utils`: default, llama3 and
+  YaRN scaling; YaRN also scales cos and sin by its attention factor), partial rotary rotates the first
+  `rotary_dim` channels and passes the rest through;
 - ALiBi: BLOOM's slopes (the extra heads of a non-power-of-two count take the odd powers of 2p's
   base) times the key's position from the mask cumsum, added to the scaled scores;
 - masks: causal & key padding & (optionally) sliding window, a key allowed iff q - k < window;
 - eager attention: GQA by repeating KV heads (head j serves j*G .. j*G+G-1), fp32 softmax, masked
-  scores set to the dtype's min (a fully masked padding row stays finite, as HF's);
+  scores set to the dtype's min (a fully masked padding row stays finite, as HF's); optional per-head
+  attention sinks (GPT-OSS): one extra logit per head in the softmax's normaliser, dropped after it;
 - MLPs: gated (`down(act(gate) * up)`) or plain (`out(act(in))`); activations by HF's names.
 """
 
@@ -24,8 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
-    "RopeScaling", "LayerInputs", "ACTIVATIONS",
-    "rms_norm", "layer_norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "alibi_slopes", "alibi_bias",
+    "RopeScaling", "YarnScaling", "LayerInputs", "ACTIVATIONS",
+    "rms_norm", "layer_norm", "rope_inv_freq", "rope_attention_factor", "rope_cos_sin", "apply_rope",
+    "alibi_slopes", "alibi_bias",
     "causal_mask", "eager_attention", "attend", "default_positions", "layer_inputs",
     "RMSNorm", "LayerNorm", "GatedMLP", "PlainMLP",
 ]
@@ -39,6 +42,18 @@ class RopeScaling:
     high_freq_factor: float
     original_max_position_embeddings: int
     rope_type: str = "llama3"
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """config.json `rope_scaling` (transformers 5: `rope_parameters`) of rope_type "yarn" (GPT-OSS)."""
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # HF's default; GPT-OSS's release sets false
+    attention_factor: float | None = None  # None: 0.1 ln(factor) + 1
+    rope_type: str = "yarn"
 
 
 class LayerInputs(NamedTuple):
@@ -94,11 +109,13 @@ class LayerNorm(nn.Module):
 
 # ---- positions ------------------------------------------------------------------------------
 
-def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | None = None):  # -> f32[dim/2]
+def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | YarnScaling | None = None):  # -> f32[dim/2]
     """theta^(-2i/dim) in fp32; `dim` is the rotary dim (head_dim, or less for partial rotary)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if scaling is None:
         return inv_freq
+    if isinstance(scaling, YarnScaling):
+        return _yarn_inv_freq(dim, theta, scaling)
     s = scaling
     # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
     low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
@@ -111,10 +128,43 @@ def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | None = None):  
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
-def rope_cos_sin(inv_freq, position_ids):  # f32[rd/2], i32[B,T] -> (cos, sin) f32[B,T,rd]
+def _yarn_inv_freq(dim: int, theta: float, s: YarnScaling):  # -> f32[dim/2]
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are interpolated
+    (divided by `factor`), those turning more than beta_fast times kept, a linear ramp between (over the
+    pair index). The ramp's ends d(r) = dim ln(orig / (2 pi r)) / (2 ln theta), floored/ceiled only if
+    `truncate`, clamped to [0, dim-1]."""
+    def pair_index(rotations: float) -> float:
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair_index(s.beta_fast), pair_index(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    theta_pow = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)  # theta^(2i/dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # 0: keep, 1: interpolate
+    keep = 1 - ramp
+    return (1.0 / (s.factor * theta_pow)) * (1 - keep) + (1.0 / theta_pow) * keep
+
+
+def rope_attention_factor(scaling: RopeScaling | YarnScaling | None) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor (given, else 0.1 ln(factor) + 1 for
+    factor > 1), 1.0 for every other rope."""
+    if not isinstance(scaling, YarnScaling):
+        return 1.0
+    if scaling.attention_factor is not None:
+        return float(scaling.attention_factor)
+    return 0.1 * math.log(scaling.factor) + 1.0 if scaling.factor > 1 else 1.0
+
+
+def rope_cos_sin(inv_freq, position_ids, attention_factor: float = 1.0):
+    """f32[rd/2], i32[B,T] -> (cos, sin) f32[B,T,rd], both times attention_factor (YaRN's; 1.0 otherwise)."""
     freqs = position_ids[..., None].float() * inv_freq.float()  # f32[B,T,rd/2]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    if attention_factor == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * attention_factor, emb.sin() * attention_factor
 
 
 def _rotate_half(x):
@@ -162,10 +212,13 @@ def causal_mask(attention_mask, sliding_window: int | None = None):  # i32[B,T] 
     return allowed[None] & attention_mask.bool()[:, None, :]
 
 
-def eager_attention(q, k, v, mask, scale: float, bias=None):
-    """q: f32[B,T,N,hd]  k, v: f32[B,S,K,hd]  mask: bool[B,T,S]  bias: f32[B,N,1|T,S] | None -> f32[B,T,N,hd].
+def eager_attention(q, k, v, mask, scale: float, bias=None, sinks=None):
+    """q: f32[B,T,N,hd]  k, v: f32[B,S,K,hd]  mask: bool[B,T,S]  bias: f32[B,N,1|T,S] | None
+    sinks: f32[N] | None -> f32[B,T,N,hd].
 
-    KV head j serves query heads j*G .. j*G+G-1 (HF repeat_kv); softmax in fp32.
+    KV head j serves query heads j*G .. j*G+G-1 (HF repeat_kv); softmax in fp32. A sink is a per-head logit
+    appended to every row: it enlarges the normaliser, its own probability is dropped (the weights of a row
+    then sum to less than one).
     """
     groups = q.shape[2] // k.shape[2]
     q = q.transpose(1, 2)  # [B,N,T,hd]
@@ -175,6 +228,12 @@ def eager_attention(q, k, v, mask, scale: float, bias=None):
     if bias is not None:
         scores = scores + bias
     scores = scores.masked_fill(~mask[:, None], torch.finfo(scores.dtype).min)
+    if sinks is not None:
+        B, N, T, _ = scores.shape
+        scores = torch.cat([scores, sinks.to(scores.dtype).view(1, N, 1, 1).expand(B, N, T, 1)], dim=-1)
+        scores = scores - scores.amax(dim=-1, keepdim=True)  # as HF's eager GPT-OSS (it changes the rounding)
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
+        return torch.matmul(probs, v).transpose(1, 2)
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v).transpose(1, 2)  # [B,T,N,hd]
 

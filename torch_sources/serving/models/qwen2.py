@@ -1,10 +1,10 @@
-"""Qwen2 / Qwen2.5 over the paged KV cache: the Llama-shaped serving path (serving/models/llama_shaped.py)
-on the training-side modules of torch_sources/models/qwen2.py (biased q/k/v, unbiased o_proj, tied head on the
-small releases)."""
+"""Qwen2 / Qwen2.5 over the paged KV cache: the pre-norm decoder serving path (serving/models/paged_decoder.py)
+on the modules of torch_sources/models/qwen2.py (biased q/k/v, unbiased o_proj, a tied head on the small
+releases)."""
 from __future__ import annotations
 
 from torch_sources.models.qwen2 import Qwen2ForCausalLM, rope_inv_freq
-from torch_sources.serving.models.llama_shaped import paged_functions
+from torch_sources.serving.models.paged_decoder import paged_functions
 
 __all__ = ["load_model", "forward_paged", "decoder_layer_paged", "compute_logits"]
 

@@ -1,10 +1,14 @@
-"""The Llama-shaped families (Llama 3, Qwen2, Qwen3) over the paged KV cache.
+"""Pre-norm decoder families over the paged KV cache: Llama 3, Qwen2, Qwen3 and GPT-OSS.
 
 A family's training-side modules (torch_sources/models/<family>.py) run on a flat ragged batch of tokens;
-only the attention core differs: the step's K/V are written to the cache by slot
-(write_to_kv_cache) and the queries attend through the block table (ragged_paged_attention). The
-attention's own `project_qkv` hook gives q, k, v (with Qwen2's biases, Qwen3's per-head q/k norms
-before RoPE), so a family's serving file is one call of `paged_functions`.
+only the attention core differs: the step's K/V are written to the cache by slot (write_to_kv_cache) and
+the queries attend through the block table (ragged_paged_attention). What a family adds is read off its
+own modules, never branched on by name:
+- the attention's `project_qkv` hook gives q, k, v before RoPE (Qwen2's biases, Qwen3's per-head q/k norms);
+- an attention may carry `sliding_window` (None on a full layer), `sinks` (GPT-OSS: one logit per query
+  head in the softmax normaliser) and `scaling` (else 1/sqrt(head_dim));
+- `rope_attention_factor(config)`, if the family has one (YaRN), scales cos and sin.
+So a family's serving file is one call of `paged_functions`.
 """
 from __future__ import annotations
 
@@ -19,16 +23,19 @@ from torch_sources.serving.paged_attention import AttentionMetadata, PagedKVCach
 __all__ = ["paged_functions"]
 
 
-def paged_functions(causal_lm, rope_inv_freq) -> SimpleNamespace:
+def paged_functions(causal_lm, rope_inv_freq, rope_attention_factor=None) -> SimpleNamespace:
     """The four functions the model runner calls (load_model, forward_paged, decoder_layer_paged,
-    compute_logits) for a Llama-shaped causal LM class and its family's `rope_inv_freq(config)`."""
+    compute_logits) for a pre-norm causal LM class and its family's `rope_inv_freq(config)` (and
+    `rope_attention_factor(config)` where RoPE is YaRN-scaled)."""
 
     def load_model(model_dir):
         model = causal_lm.from_pretrained(model_dir)
         return model.config, model
 
     def _rope(model, positions):  # i32[T] -> (cos, sin) f32[1,T,hd]
-        return rope_cos_sin(rope_inv_freq(model.config), torch.as_tensor(positions)[None])
+        c = model.config
+        factor = rope_attention_factor(c) if rope_attention_factor else 1.0
+        return rope_cos_sin(rope_inv_freq(c), torch.as_tensor(positions)[None], factor)
 
     def _layer(model, i, hidden, cos, sin, kv_cache: PagedKVCache, meta: AttentionMetadata):
         # hidden f32[1,T,D] -> f32[1,T,D]; writes this step's K/V of layer i into the cache.
@@ -39,7 +46,10 @@ def paged_functions(causal_lm, rope_inv_freq) -> SimpleNamespace:
         q, k = apply_rope(q, cos, sin)[0], apply_rope(k, cos, sin)[0]
         write_to_kv_cache(kv_cache.k[i], kv_cache.v[i], k, v[0], meta.slot_mapping)
         out = ragged_paged_attention(q, kv_cache.k[i], kv_cache.v[i], meta.kv_lens, meta.page_indices,
-                                     meta.cu_q_lens, meta.num_seqs, sm_scale=attn.head_dim ** -0.5)  # f32[T,N,hd]
+                                     meta.cu_q_lens, meta.num_seqs,
+                                     sm_scale=getattr(attn, "scaling", attn.head_dim ** -0.5),
+                                     sliding_window=getattr(attn, "sliding_window", None),
+                                     sinks=getattr(attn, "sinks", None))  # f32[T,N,hd]
         hidden = hidden + attn.o_proj(out.reshape(1, T, -1))
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 

@@ -1,12 +1,14 @@
-"""The Llama-shaped families (Llama 3, Qwen2, Qwen3) over the paged KV cache: twin of
-torch_sources/serving/models/llama_shaped.py.
+"""Pre-norm decoder families over the paged KV cache (Llama 3, Qwen2, Qwen3, GPT-OSS): twin of
+torch_sources/serving/models/paged_decoder.py.
 
 The math is the family's Linen modules (jax_oracles/models/<family>.py), each bound to its own param
-subtree: the decoder layer's attention class (its `project_qkv` hook gives q, k, v with Qwen2's biases and
-Qwen3's per-head q/k norms before RoPE), its MLP, its RMSNorms. Only the attention core differs from the
-training model: the step's new K/V are written to the paged cache by slot and the queries attend over the
-cache through the block table (ragged, bottom-right causal), so prefill, decode and chunked prefill of many
-sequences are one flat call over T tokens.
+subtree: the layer's attention (its `project_qkv` hook gives q, k, v before RoPE, with Qwen2's biases and
+Qwen3's per-head q/k norms), its MLP (GPT-OSS: the MoE), its RMSNorms. What a family adds is read off its
+own modules: an attention may carry `sliding_window`, `sinks` and `scaling`, and `rope_attention_factor`
+(YaRN) scales cos and sin. Only the attention core differs from the training model: the step's new K/V
+are written to the paged cache by slot and the queries attend over the cache through the block table
+(ragged, bottom-right causal), so prefill, decode and chunked prefill of many sequences are one flat call
+over T tokens.
 """
 from __future__ import annotations
 
@@ -22,11 +24,17 @@ from serving_engine.paged_attention import (AttentionMetadata, PagedKVCache, rag
 __all__ = ["paged_functions"]
 
 
-def paged_functions(causal_lm, rope_inv_freq, conversion) -> SimpleNamespace:
+def paged_functions(causal_lm, rope_inv_freq, conversion, rope_attention_factor=None, *, attention=None,
+                    mlp=None) -> SimpleNamespace:
     """The four functions the model runner calls (load_model, forward_paged, decoder_layer_paged,
-    compute_logits) for a Llama-shaped Linen causal LM class, its family's `rope_inv_freq(config)` and its
-    conversion module (load_config, load_params)."""
-    layer_cls = causal_lm.decoder_layer  # the family's decoder layer: its attention and MLP builders
+    compute_logits) for a pre-norm Linen causal LM class, its family's `rope_inv_freq(config)` (and
+    `rope_attention_factor(config)` where RoPE is YaRN-scaled) and its conversion module (load_config,
+    load_params). `attention(config, layer_idx)` and `mlp(config)` build layer i's modules; by default
+    the Llama blocks' `attention` and `feed_forward` of `causal_lm.decoder_layer`."""
+    if attention is None:
+        attention = lambda config, i: causal_lm.decoder_layer.attention(config)  # noqa: E731
+    if mlp is None:
+        mlp = causal_lm.decoder_layer.feed_forward
 
     def load_model(model_dir):
         """(config, PagedModel(config, Linen params)) of an HF checkpoint directory."""
@@ -34,7 +42,8 @@ def paged_functions(causal_lm, rope_inv_freq, conversion) -> SimpleNamespace:
         return config, PagedModel(config, conversion.load_params(model_dir))
 
     def _rope(config, positions):  # i32[T] -> (cos, sin) f32[1,T,hd]
-        return rope_cos_sin(rope_inv_freq(config), positions[None])
+        factor = rope_attention_factor(config) if rope_attention_factor else 1.0
+        return rope_cos_sin(rope_inv_freq(config), positions[None], factor)
 
     def _norm(params, x, eps: float):
         return RMSNorm(eps).apply({"params": params}, x)
@@ -42,17 +51,19 @@ def paged_functions(causal_lm, rope_inv_freq, conversion) -> SimpleNamespace:
     def _layer(model: PagedModel, i: int, hidden, cos, sin, kv_cache: PagedKVCache, meta: AttentionMetadata):
         # hidden f32[1,T,D] -> (f32[1,T,D], kv_cache with this step's K/V of layer i written).
         c, p = model.config, model.params["model"][f"layers_{i}"]
-        attn = layer_cls.attention(c).bind({"params": p["self_attn"]})
+        attn = attention(c, i).bind({"params": p["self_attn"]})
         T = hidden.shape[1]
         q, k, v = attn.project_qkv(_norm(p["input_layernorm"], hidden, c.rms_norm_eps))  # [1,T,N|K,hd]
         q, k = apply_rope(q, cos, sin)[0], apply_rope(k, cos, sin)[0]
         k_pages, v_pages = write_to_kv_cache(kv_cache.k[i], kv_cache.v[i], k, v[0], meta.slot_mapping)
         kv_cache = kv_cache.replace_layer(i, k_pages, v_pages)
         out = ragged_paged_attention(q, k_pages, v_pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens,
-                                     meta.num_seqs, sm_scale=c.head_dim ** -0.5, impl=meta.impl)  # f32[T,N,hd]
+                                     meta.num_seqs, sm_scale=getattr(attn, "scaling", c.head_dim ** -0.5),
+                                     sliding_window=getattr(attn, "sliding_window", None),
+                                     sinks=getattr(attn, "sinks", None), impl=meta.impl)  # f32[T,N,hd]
         hidden = hidden + attn.o_proj(out.reshape(1, T, -1))
         mlp_in = _norm(p["post_attention_layernorm"], hidden, c.rms_norm_eps)
-        return hidden + layer_cls.feed_forward(c).apply({"params": p["mlp"]}, mlp_in), kv_cache
+        return hidden + mlp(c).apply({"params": p["mlp"]}, mlp_in), kv_cache
 
     def decoder_layer_paged(model: PagedModel, layer_idx: int, hidden, positions, kv_cache: PagedKVCache,
                             attn_meta: AttentionMetadata):
