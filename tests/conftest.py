@@ -6,6 +6,19 @@ import functools
 import pytest
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one intra-op thread for a module's tests: the models are tiny, per-op overhead dominates,
+    and on a busy 2-core box threads only contend (10x slower). Used as
+    `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @functools.cache
 def sandbox_problem() -> str | None:
     from grader.sandbox import SandboxUnavailable, ensure_sandbox

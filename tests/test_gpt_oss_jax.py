@@ -36,12 +36,7 @@ CKPT = "assets/checkpoints/gpt_oss"
 ENGINE = dict(block_size=4, num_blocks=32, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64, mode="ragged")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -28,13 +28,7 @@ CKPT = str(ROOT / "assets" / "checkpoints" / "gpt_oss")
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny models: per-op overhead dominates, and intra-op threads only contend on a busy box.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

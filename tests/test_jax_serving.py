@@ -41,13 +41,7 @@ PLAIN_MODELS = {"llama3": LlamaForCausalLM, "gemma4": Gemma4ForCausalLM, "qwen2"
 ENGINE_FAMILIES = ["llama3", "gemma4", *(pytest.param(f, marks=pytest.mark.slow) for f in ("qwen2", "qwen3"))]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    # Tiny models: per-op overhead dominates and intra-op threads only contend on a busy 2-core box.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tensor_measure(a, b) -> float:

@@ -25,12 +25,7 @@ CHECKPOINT_EOS = (401, 404)  # its generation_config.json: 401 is the request eo
 PKGS = {"jax": (jengine, jconfig, jsampler), "torch": (tengine, tconfig, tsampler)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: intra-op threads only contend on a small box
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _prompts(seed, lengths, vocab=400):

@@ -22,13 +22,7 @@ FAMILIES = {family: str(CHECKPOINTS / family) for family in ("llama3", "gemma4",
 LLAMA_SHAPED = ("llama3", "qwen2", "qwen3")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The models are tiny: per-op overhead dominates, and intra-op threads only contend (10x slower on a busy box).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tensor_measure(a, b) -> float:
