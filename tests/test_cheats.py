@@ -529,7 +529,7 @@ def test_echoing_the_input_is_not_the_answer(tmp_path):
 
 def test_a_hanging_check_times_out_alone(tmp_path):
     cand = _candidate(tmp_path)
-    _plant(cand, LAYERS, "def eager_attention(q, k, v, mask, scale: float, bias=None):\n", """
+    _plant(cand, LAYERS, "def eager_attention(q, k, v, mask, scale: float, bias=None, sinks=None):\n", """
         while True:
             pass
         """)
