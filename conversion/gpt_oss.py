@@ -75,15 +75,11 @@ def load_params(path) -> dict:
     return convert_state_dict(st_io.load_state_dict(path), load_config(path))
 
 
-def hf_layout(params, quantized: bool = True) -> dict[str, tuple[int, ...]]:
-    """{HF tensor name: HF shape} each leaf of a converted `params` tree came from: RULES run backwards.
-
-    With `quantized` (the release), each expert matrix [E, in, out] reports its MXFP4 pair
-    `<w>_blocks` [E, out, in/32, 16] and `<w>_scales` [E, out, in/32]. Reads no checkpoint file.
-    """
+def hf_layout(params) -> dict[str, tuple[int, ...]]:
+    """{HF tensor name: HF shape} each leaf of a converted `params` tree came from: RULES run backwards, each
+    expert matrix [E, in, out] reported as the release stores it, its MXFP4 pair `<w>_blocks`
+    [E, out, in/32, 16] and `<w>_scales` [E, out, in/32]. Reads no checkpoint file."""
     layout = invert_rules(params, RULES)
-    if not quantized:
-        return layout
     out = {}
     for name, shape in layout.items():
         if re.fullmatch(QUANTIZED, name):

@@ -244,12 +244,6 @@ class GptOssExperts(nn.Module):
         self.down_proj = self.param("down_proj", init, (E, I, D), jnp.float32)
         self.down_proj_bias = self.param("down_proj_bias", nn.initializers.zeros_init(), (E, D), jnp.float32)
 
-    def expert(self, e: int, x):  # f32[n,D] -> f32[n,D]: expert e alone (the dense reference)
-        c = self.config
-        h = jnp.dot(x, self.gate_up_proj[e], precision=HIGHEST) + self.gate_up_proj_bias[e]
-        h = swiglu_clamped(h, c.swiglu_alpha, c.swiglu_limit)
-        return jnp.dot(h, self.down_proj[e], precision=HIGHEST) + self.down_proj_bias[e]
-
     def __call__(self, x, indices, weights):
         """x f32[T,D], indices i32[T,k], weights f32[T,k] (route's) -> f32[T,D]."""
         c = self.config
