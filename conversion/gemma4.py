@@ -1,4 +1,9 @@
-"""HF Gemma 4 text checkpoint -> Flax Linen params of jax_oracles/models/gemma4.py, torch-free.
+"""HF Gemma 4 checkpoint -> Flax Linen params of jax_oracles/models/gemma4.py, torch-free.
+
+Reads a text-only `gemma4_text` checkpoint or a release's multimodal one
+(Gemma4ForConditionalGeneration): there the language model sits under `model.language_model.*`,
+which `_text_state` renames to the text model's `model.*`, and the vision / audio towers
+(`SKIPPED_TOWERS`) are dropped on purpose; any other prefix fails.
 
 One declarative table maps every HF tensor name to a param path. The conversion is checked
 both ways: every source tensor must be used by exactly one rule (or be one of the k/v tensors
@@ -14,7 +19,7 @@ import numpy as np
 
 from conversion import safetensors_io as st_io
 from conversion.rules import apply_rules, invert_rules, declared_shapes, keep as _keep, linear as _linear
-from jax_oracles.models.gemma4 import Gemma4ForCausalLM, Gemma4TextConfig
+from jax_oracles.models.gemma4 import LANGUAGE_MODEL, SKIPPED_TOWERS, Gemma4ForCausalLM, Gemma4TextConfig
 
 __all__ = ["RULES", "load_config", "convert_state_dict", "load_params", "hf_layout"]
 
@@ -59,9 +64,23 @@ def _expected_shapes(config: Gemma4TextConfig) -> dict[str, tuple[int, ...]]:
     return declared_shapes(Gemma4ForCausalLM(config), with_mask=False)
 
 
+def _text_state(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The language model's tensors under the text model's names; the release's towers are skipped."""
+    out = {}
+    for name, w in state.items():
+        if name.startswith(SKIPPED_TOWERS):
+            continue
+        if name.startswith(LANGUAGE_MODEL):
+            name = "model." + name[len(LANGUAGE_MODEL):]
+        elif not name.startswith("model.") and name != "lm_head.weight":
+            raise ValueError(f"Gemma 4 checkpoint: tensor {name!r} belongs to no known part")
+        out[name] = w
+    return out
+
+
 def convert_state_dict(state: dict[str, np.ndarray], config: Gemma4TextConfig) -> dict:
-    """HF-named numpy tensors -> nested Linen `params` dict of f32 jax arrays."""
-    state = {k: v for k, v in state.items() if not _ignored(config, k)}
+    """HF-named numpy tensors (text-only or release layout) -> nested Linen `params` dict of f32 jax arrays."""
+    state = {k: v for k, v in _text_state(state).items() if not _ignored(config, k)}
     return apply_rules(state, RULES, _expected_shapes(config))
 
 
@@ -70,10 +89,14 @@ def load_params(path) -> dict:
     return convert_state_dict(st_io.load_state_dict(path), load_config(path))
 
 
-def hf_layout(params) -> dict[str, tuple[int, ...]]:
+def hf_layout(params, release: bool = False) -> dict[str, tuple[int, ...]]:
     """{HF tensor name: HF shape} each leaf of a converted `params` tree came from: RULES run backwards.
 
     Kernels report the checkpoint's [out, in]; the tied head and the k/v of KV-shared layers, which
     the model does not declare, report nothing (what the release stores). Reads no checkpoint file.
+    release=True names them as the multimodal release stores them (`model.language_model.*`).
     """
-    return invert_rules(params, RULES)
+    layout = invert_rules(params, RULES)
+    if not release:
+        return layout
+    return {LANGUAGE_MODEL + k[len("model."):] if k.startswith("model.") else k: v for k, v in layout.items()}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -18,7 +19,7 @@ from grader.budget import TIMED_LEVELS, BudgetPolicy, level_budget
 from grader.checks import checks_for
 from grader.coverage import merge as merge_coverage
 from grader.exchange import UntrustedOutput, read_compile_seconds, read_coverage, read_outputs
-from grader.h5schema import Reference, read_reference, write_arrays
+from grader.h5schema import Reference, ReferenceError, read_reference, write_arrays
 from grader.lattice import Check, earned_levels, strict_bar
 from grader.measures import error_figures
 from grader.measures import score as measure_score
@@ -38,8 +39,10 @@ LEVEL_GROUPS = {
 
 
 def _asset_paths(cfg) -> dict[str, str]:
-    """Inputs the candidate may read besides the inputs file: checkpoint, tokenizer, raw data."""
-    paths = {"checkpoint": cfg.family.checkpoint}
+    """Inputs the candidate may read besides the inputs file: checkpoint (`checkpoint=PATH`, else the family's
+    tiny one), tokenizer, raw data; relative to the repo, or absolute."""
+    from recorder.provenance import checkpoint_dir  # torch-free (config + hashes only)
+    paths = {"checkpoint": str(checkpoint_dir(cfg))}
     if "tokenizer" in cfg.family:
         paths["tokenizer"] = cfg.family.tokenizer
     if "data" in cfg:
@@ -128,10 +131,13 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
     if not trusted:
         sandbox.ensure_sandbox()  # refuse up front, never fall back silently
     from recorder.app import task_class, task_features, task_method  # torch-free modules (config + hashes only)
-    from recorder.provenance import stale_reasons
+    from recorder.provenance import checkpoint_mismatch, stale_reasons
 
     task = cfg.task_name
     ref: Reference = read_reference(references / f"{task}.h5")
+    mismatch = checkpoint_mismatch(references / f"{task}.h5", cfg)
+    if mismatch:  # outputs of checkpoint A graded against a candidate run on checkpoint B: meaningless
+        raise ReferenceError(mismatch)
     stale = stale_reasons(references / f"{task}.h5", cfg)
     if stale and not quiet:
         console.print(f"[yellow]warning: reference is stale[/] ({'; '.join(stale)})")
@@ -229,7 +235,7 @@ def _run_group(candidate, cfg, ref_dir, specs, inputs, budget, timeout, check_ti
         out_dir.mkdir()
         assets = {}
         for key, rel in _asset_paths(cfg).items():  # copied: the child never sees the repo
-            shutil.copytree(ROOT / rel, inputs_dir / key)
+            shutil.copytree(ROOT / rel, inputs_dir / key, copy_function=_link_or_copy)
             assets[key] = key  # relative to the inputs directory, wherever the sandbox mounts it
         meta = {"task": _task_meta(cfg), "assets": assets, "checks": [s.key for s in specs]}
         if budget is not None:
@@ -262,6 +268,15 @@ def _run_group(candidate, cfg, ref_dir, specs, inputs, budget, timeout, check_ti
             why = f"timeout: the child ran {elapsed:.1f} s (grader's clock) > budget {budget:.1f} s + startup"
             return {}, {s.key: why for s in specs}, {s.key: elapsed for s in specs}
         return outputs
+
+
+def _link_or_copy(src, dst) -> None:
+    """A hard link where the filesystem allows (a release's gigabytes, once per level group: the child sees its
+    inputs read-only), else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def cfg_class(cfg) -> str:

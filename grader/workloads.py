@@ -286,15 +286,42 @@ def prompt_logprob_arrays(output, top: int) -> tuple[np.ndarray, np.ndarray]:
     return chosen, best
 
 
+def _without_tensor(src: Path, dst: Path, name: str) -> None:
+    """Copy safetensors file `src` to `dst` less tensor `name`, byte ranges moved as they are (any dtype)."""
+    import json
+    import struct
+
+    with open(src, "rb") as f, open(dst, "wb") as g:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        kept = sorted((k for k in header if k not in ("__metadata__", name)), key=lambda k: header[k]["data_offsets"])
+        out, pos = ({"__metadata__": header["__metadata__"]} if "__metadata__" in header else {}), 0
+        for k in kept:
+            begin, end = header[k]["data_offsets"]
+            out[k] = {**header[k], "data_offsets": [pos, pos + end - begin]}
+            pos += end - begin
+        text = json.dumps(out, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        g.write(struct.pack("<Q", len(text)) + text)
+        for k in kept:
+            begin, end = header[k]["data_offsets"]
+            f.seek(8 + n + begin)
+            g.write(f.read(end - begin))
+
+
 def tied_checkpoint(ckpt, out) -> Path:
     """`ckpt` as a tied release stores it (Llama 3.2 1B/3B): tie_word_embeddings set, no lm_head.weight,
-    so the embedding doubles as the output head."""
+    so the embedding doubles as the output head. A sharded `ckpt` stays sharded, its index without the head."""
     import json
 
-    from safetensors.numpy import load_file, save_file
-
-    config = json.loads((Path(ckpt) / "config.json").read_text())
+    ckpt, out = Path(ckpt), Path(out)
+    config = json.loads((ckpt / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
-    state = load_file(str(Path(ckpt) / "model.safetensors"))
-    save_file({k: v for k, v in state.items() if k != "lm_head.weight"}, str(out / "model.safetensors"))
-    return Path(out)
+    index = None if (ckpt / "model.safetensors").is_file() else \
+        json.loads((ckpt / "model.safetensors.index.json").read_text())
+    for name in ["model.safetensors"] if index is None else sorted(set(index["weight_map"].values())):
+        _without_tensor(ckpt / name, out / name, "lm_head.weight")
+    if index is not None:
+        index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k != "lm_head.weight"}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    return out

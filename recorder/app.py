@@ -5,11 +5,13 @@ import importlib
 import json
 import os
 import platform
+import resource
 import time
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
@@ -17,7 +19,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from grader.h5schema import SCHEMA_VERSION, write_reference
-from recorder.provenance import ROOT, provenance, stale_reasons
+from recorder.provenance import (ROOT, checkpoint_dir, checkpoint_label, provenance, recorded_checkpoint,
+                                  stale_reasons)
 
 console = Console(stderr=True)
 CONFIG_DIR = ROOT / "configs"
@@ -75,12 +78,15 @@ def record(cfg: DictConfig) -> Path:
         raise RuntimeError(f"cannot create output directory {out_dir}: {e}") from e
     if not os.access(out_dir, os.W_OK):
         raise RuntimeError(f"output directory {out_dir} is not writable")
-    ckpt = ROOT / cfg.family.checkpoint
+    ckpt = checkpoint_dir(cfg)
     if not (ckpt / "config.json").is_file():
         raise FileNotFoundError(f"checkpoint {ckpt} has no config.json (run `make assets` to build the tiny ones)")
 
     dev = setup_device(cfg.device.name, seed=0)
     import torch
+    from torch_sources.models.loading import tensor_index
+    stored = tensor_index(ckpt)  # a missing shard or a corrupt header fails here, before any probe runs
+    rss_at_start = _reset_peak_rss()
     probes = importlib.import_module(f"recorder.probes.{task_class(cfg)}")
     started = time.perf_counter()
     cov = _start_coverage() if cfg.get("coverage") else None
@@ -99,14 +105,61 @@ def record(cfg: DictConfig) -> Path:
         "seed": 0,
         "torch_version": torch.__version__,
         "package_versions": _package_versions(),
-        "wall_clock_s": float(wall),
+        "wall_clock_s": float(wall or 0.0),
         **provenance(cfg),
+        **checkpoint_attrs(ckpt, stored),
+        "peak_rss_bytes": _peak_rss_bytes(),
+        "rss_at_start_bytes": rss_at_start,
     }
+    if cfg.get("levels"):
+        attrs["recorded_levels"] = list(cfg.levels)
     path = out_dir / f"{name}.h5"
     write_reference(path, attrs, checks, band)
     console.print(f"[green]wrote[/] {path} ({len(checks)} checks, recorded in "
-                  f"{time.perf_counter() - started:.1f} s; end-to-end torch run {wall:.2f} s)")
+                  f"{time.perf_counter() - started:.1f} s; end-to-end torch run {wall or 0.0:.2f} s; peak RSS "
+                  f"{attrs['peak_rss_bytes'] / 2**20:.0f} MiB for {attrs['fp32_param_bytes'] / 2**20:.0f} MiB of "
+                  f"fp32 parameters)")
     return path
+
+
+DTYPE_POLICY = "upcast to float32"  # what load_pretrained does to every stored tensor as it is read
+
+
+def checkpoint_attrs(ckpt: Path, stored: dict) -> dict:
+    """What the reference says about its checkpoint: where it is, what dtypes it stores (name -> tensor count),
+    what the recorder did with them, and the fp32 bytes of its tensors (the memory bound's unit)."""
+    dtypes: dict[str, int] = {}
+    numel = 0
+    for _, entry in stored.values():
+        dtype = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(entry["dtype"], entry["dtype"])
+        dtypes[dtype] = dtypes.get(dtype, 0) + 1
+        numel += int(np.prod(entry["shape"], dtype=np.int64))
+    return {"checkpoint_path": checkpoint_label(ckpt), "checkpoint_dtypes": dict(sorted(dtypes.items())),
+            "dtype_policy": DTYPE_POLICY, "fp32_param_bytes": 4 * numel}
+
+
+def _reset_peak_rss() -> int:
+    """Restart the kernel's peak-RSS counter (VmHWM) so the peak is this recording's, not the process's
+    (a multirun worker records several tasks); -> the RSS now, in bytes."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # then the peak is the process's
+    return _proc_status_bytes("VmRSS") or 0
+
+
+def _peak_rss_bytes() -> int:
+    return _proc_status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _start_coverage():
@@ -139,7 +192,11 @@ def list_stale(out_dir: Path) -> int:
             print(f"{task}: stale (no task config named {task!r})")
             n += 1
             continue
-        reasons = stale_reasons(h5, compose_task(task))
+        cfg = compose_task(task)
+        recorded = recorded_checkpoint(h5)
+        if recorded is not None:  # a release given as checkpoint=PATH: check it against that directory
+            cfg.checkpoint = recorded
+        reasons = stale_reasons(h5, cfg)
         if reasons:
             n += 1
             print(f"{task}: stale ({'; '.join(reasons)})")
@@ -156,7 +213,7 @@ def run(cfg: DictConfig) -> int:
         return 2
     try:
         record(cfg)
-    except (FileNotFoundError, RuntimeError, ValueError) as e:
+    except (OSError, RuntimeError, ValueError) as e:  # OSError: CheckpointError, a missing file
         console.print(f"[red]recording {cfg.task_name} failed:[/] {escape(str(e))}")
         return 1
     return 0

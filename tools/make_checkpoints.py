@@ -4,6 +4,10 @@ Each checkpoint has the real release's HF layout (config.json keys, tensor names
 [out, in] layouts) with small dims. Weights come from numpy with a fixed seed, and every
 file is written deterministically (sorted json keys, tensors in sorted-name order), so
 `python tools/make_checkpoints.py` reproduces the committed assets byte for byte.
+
+`python tools/make_checkpoints.py --release llama-3.2-1b --out DIR [--layers N]` writes instead a random-weight
+checkpoint with that release's exact config.json, sharded (2 GB shards + index json) in bf16, as published:
+the recorder and grader then run at the real shapes (`checkpoint=DIR`).
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-__all__ = ["BUILDERS", "make_llama3", "write_checkpoint", "write_json", "shard_checkpoint", "main"]
+__all__ = ["BUILDERS", "RELEASES", "make_llama3", "make_release", "write_checkpoint", "write_json", "write_sharded",
+           "shard_checkpoint", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT / "assets" / "checkpoints"
@@ -108,27 +113,32 @@ LLAMA3_GENERATION_CONFIG = {
 LLAMA3_LM_HEAD_STD = 0.1
 
 
-def llama3_tensors(config: dict, seed: int) -> dict[str, np.ndarray]:
-    """Random HF-named Llama tensors ([out, in] layout), drawn in module order from one rng."""
+def llama3_tensor_stream(config: dict, seed: int):
+    """(HF name, random tensor) of a Llama ([out, in] layout), drawn in module order from one rng, one at a
+    time (a release-sized model never sits in memory whole)."""
     rng = np.random.default_rng(seed)
     std = config["initializer_range"]
     d, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     hd = config["head_dim"]
     q_out, kv_out = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
-    t = {"model.embed_tokens.weight": normal(rng, (vocab, d), std)}
+    yield "model.embed_tokens.weight", normal(rng, (vocab, d), std)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = norm_weight(rng, d)
+        yield p + "input_layernorm.weight", norm_weight(rng, d)
         for name, shape in [("q_proj", (q_out, d)), ("k_proj", (kv_out, d)),
                             ("v_proj", (kv_out, d)), ("o_proj", (d, q_out))]:
-            t[p + f"self_attn.{name}.weight"] = normal(rng, shape, std)
-        t[p + "post_attention_layernorm.weight"] = norm_weight(rng, d)
+            yield p + f"self_attn.{name}.weight", normal(rng, shape, std)
+        yield p + "post_attention_layernorm.weight", norm_weight(rng, d)
         for name, shape in [("gate_proj", (inter, d)), ("up_proj", (inter, d)), ("down_proj", (d, inter))]:
-            t[p + f"mlp.{name}.weight"] = normal(rng, shape, std)
-    t["model.norm.weight"] = norm_weight(rng, d)
+            yield p + f"mlp.{name}.weight", normal(rng, shape, std)
+    yield "model.norm.weight", norm_weight(rng, d)
     if not config["tie_word_embeddings"]:
-        t["lm_head.weight"] = normal(rng, (vocab, d), LLAMA3_LM_HEAD_STD)
-    return t
+        yield "lm_head.weight", normal(rng, (vocab, d), LLAMA3_LM_HEAD_STD)
+
+
+def llama3_tensors(config: dict, seed: int) -> dict[str, np.ndarray]:
+    """Random HF-named Llama tensors ([out, in] layout), drawn in module order from one rng."""
+    return dict(llama3_tensor_stream(config, seed))
 
 
 def make_llama3(out_dir) -> Path:
@@ -172,7 +182,8 @@ SIBLING_FAMILIES = ("gemma4", "bloom", "falcon", "mistral", "qwen2", "qwen3", "p
 BUILDERS = {"llama3": make_llama3, "llama3-reward": make_llama3_reward,
             **{f: _sibling_builder(f) for f in SIBLING_FAMILIES
                if Path(__file__).with_name(f"checkpoints_{f}.py").is_file()},
-            "falcon-mqa": _sibling_builder("falcon-mqa", "falcon")}  # Falcon-7B's multi-query layout (tests)
+            "falcon-mqa": _sibling_builder("falcon-mqa", "falcon"),  # Falcon-7B's multi-query layout (tests)
+            "gemma4-release": _sibling_builder("gemma4-release", "gemma4")}  # the multimodal release layout
 
 
 # ---- sharding (real HF index format), used by tests -----------------------------------------
@@ -202,9 +213,110 @@ def shard_checkpoint(src_dir, out_dir, max_tensors_per_shard: int) -> Path:
     return out
 
 
+# ---- release-shaped checkpoints (random weights, a real release's exact config), never committed ---------
+
+# meta-llama/Llama-3.2-1B config.json and generation_config.json, as published (transformers_version dropped)
+LLAMA32_1B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 8192,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+LLAMA32_1B_GENERATION_CONFIG = {"bos_token_id": 128000, "do_sample": True, "eos_token_id": [128001, 128008, 128009],
+                                "temperature": 0.6, "top_p": 0.9}
+# release name -> (config, generation config, tensor stream)
+RELEASES = {"llama-3.2-1b": (LLAMA32_1B_CONFIG, LLAMA32_1B_GENERATION_CONFIG, llama3_tensor_stream)}
+RELEASE_SEED = 0
+MAX_SHARD_BYTES = 2 * 10**9  # save_pretrained's shard size when a release is pushed in shards
+
+
+def write_sharded(out_dir, tensors, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write a stream of (name, array) as model-0000k-of-0000n.safetensors + model.safetensors.index.json,
+    as `save_pretrained(max_shard_size=...)` does: a shard closes before the tensor that would overflow it.
+    Holds one shard in memory; shards are written under provisional names and renamed once n is known."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shards, current, size, weight_map, total = [], {}, 0, {}, 0
+
+    def flush():
+        nonlocal current, size
+        if current:
+            part = out / f"part-{len(shards):05d}.tmp"
+            save_tensors(part, current)
+            shards.append((part, sorted(current)))
+            current, size = {}, 0
+
+    for name, array in tensors:
+        if current and size + array.nbytes > max_shard_bytes:
+            flush()
+        current[name], size, total = array, size + array.nbytes, total + array.nbytes
+    flush()
+    for k, (part, names) in enumerate(shards, start=1):
+        shard = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        part.replace(out / shard)
+        weight_map.update({n: shard for n in names})
+    write_json(out / "model.safetensors.index.json",
+               {"metadata": {"total_size": int(total)}, "weight_map": dict(sorted(weight_map.items()))})
+    return out
+
+
+def make_release(name: str, out_dir, num_hidden_layers: int | None = None, dtype: str = "bfloat16",
+                 max_shard_bytes: int = MAX_SHARD_BYTES, seed: int = RELEASE_SEED) -> Path:
+    """A random-weight checkpoint with release `name`'s exact config (RELEASES), sharded with an index, stored
+    in `dtype` (bfloat16 as published, or float32). `num_hidden_layers` keeps every width and the vocabulary
+    but fewer layers (a release-shaped model a 2-core machine can run)."""
+    import ml_dtypes
+
+    config, generation_config, stream = RELEASES[name]
+    config = {**config, **({"num_hidden_layers": num_hidden_layers} if num_hidden_layers else {}),
+              "torch_dtype": dtype}
+    np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[dtype]
+    out = write_sharded(out_dir, ((n, a.astype(np_dtype)) for n, a in stream(config, seed)), max_shard_bytes)
+    write_json(out / "config.json", config)
+    write_json(out / "generation_config.json", generation_config)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
-    families = (argv if argv is not None else sys.argv[1:]) or sorted(BUILDERS)
-    for family in families:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("families", nargs="*", help=f"tiny checkpoints to rebuild (default: all of {sorted(BUILDERS)})")
+    ap.add_argument("--release", choices=sorted(RELEASES), help="instead: a random-weight checkpoint with this "
+                    "release's exact config, sharded, into --out (gigabytes: never under assets/)")
+    ap.add_argument("--out", type=Path, help="output directory of --release")
+    ap.add_argument("--layers", type=int, help="--release with fewer decoder layers (same widths and vocabulary)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--max-shard-bytes", type=int, default=MAX_SHARD_BYTES)
+    args = ap.parse_args(argv if argv is not None else sys.argv[1:])
+    if args.release:
+        if args.out is None:
+            ap.error("--release needs --out")
+        out = make_release(args.release, args.out, args.layers, args.dtype, args.max_shard_bytes)
+        print(f"wrote {out}")
+        return
+    for family in args.families or sorted(BUILDERS):
         out = BUILDERS[family](ASSETS / family)
         print(f"wrote {out.relative_to(ROOT)}")
 

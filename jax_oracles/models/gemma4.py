@@ -2,8 +2,10 @@
 
 Same public names in the same order; the semantics are listed in the torch file's docstring
 (sliding/full layers with per-type head_dim and rope, q/k/v norms, scale 1.0, plain-weight
-RMSNorm, PLE, `layer_scalar`, KV sharing over the last layers, double-wide MLP there,
-scaled embeddings, tied and soft-capped logits).
+RMSNorm, PLE (optional), `layer_scalar`, KV sharing over the last layers, double-wide MLP there,
+K = V on full layers with `attention_k_eq_v`, scaled embeddings, tied and soft-capped logits).
+The config reads the text-only and the release's multimodal config.json alike, and refuses
+what it cannot honour.
 
 Params are named after the HF checkpoint (conversion/gemma4.py):
 `params["model"]["layers_0"]["self_attn"]["q_proj"]["kernel"]` = HF weight transposed,
@@ -49,35 +51,46 @@ class Gemma4TextConfig:
     eos_token_id: int | list[int] | None
     bos_token_id: int | None
     tie_word_embeddings: bool
-    rope_parameters: dict       # {layer_type: {"rope_type", "rope_theta", ["partial_rotary_factor"]}}
+    rope_parameters: dict       # {layer_type: {"rope_type", "rope_theta", ["partial_rotary_factor"], ["factor"]}}
     attention_bias: bool
     sliding_window: int
     layer_types: tuple[str, ...]
     final_logit_softcapping: float | None
     vocab_size_per_layer_input: int
-    hidden_size_per_layer_input: int
+    hidden_size_per_layer_input: int  # 0: no per-layer inputs (26B-A4B / 31B style)
     num_kv_shared_layers: int
     use_double_wide_mlp: bool
     per_layer_config: dict      # {"<layer idx>": {"head_dim": .., ["num_key_value_heads": ..]}}
-    attention_k_eq_v: bool = False
+    attention_k_eq_v: bool = False  # full layers: no v_proj, V = v_norm(k_proj(x)) (31B style)
     enable_moe_block: bool = False
-    use_bidirectional_attention: str | None = None
+    use_bidirectional_attention: str | None = None  # "vision" only changes image-token masks: none here
 
     def __post_init__(self):
-        # This file is the dense, causal, separate-V variant; the MoE / K=V (26B-A4B) one is a fork.
-        assert not self.enable_moe_block and not self.attention_k_eq_v, "MoE / attention_k_eq_v: not this model"
-        assert self.use_bidirectional_attention is None and self.hidden_activation == "gelu_pytorch_tanh"
-        assert self.layer_types[-1] == "full_attention", "transformers forces the last layer to full attention"
+        _check_supported(self)
 
     def __hash__(self):  # dict fields: hash the json form, so the config can be a static jit argument
         return hash(json.dumps(asdict(self), sort_keys=True))
 
     @classmethod
     def from_hf(cls, d: dict) -> "Gemma4TextConfig":
-        d = d.get("text_config", d)  # a multimodal Gemma4Config nests the text model
-        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
-        kw["layer_types"] = tuple(kw["layer_types"])
-        kw["per_layer_config"] = {str(k): dict(v) for k, v in kw.get("per_layer_config", {}).items()}
+        """From config.json: a text-only `gemma4_text` one, or a release's multimodal `gemma4` one (the
+        language model under `text_config`). Missing keys take transformers' defaults, and the layer pattern,
+        rope and per-layer head shapes resolve as Gemma4TextConfig.__post_init__ does; a key that is not
+        known is refused."""
+        d = _text_config(d)
+        unknown = sorted(d.keys() - {f.name for f in fields(cls)} - HEAD_SHAPE_KEYS - NO_MATH_KEYS)
+        if unknown:
+            raise ValueError(f"Gemma 4 text config: unknown key(s) {unknown}; refusing to guess what they mean")
+        if d.get("attention_dropout"):  # train-mode math this source has no dropout for
+            raise ValueError(f"Gemma 4 config not supported by this source: attention_dropout={d['attention_dropout']}")
+        kw = {**HF_DEFAULTS, **{f.name: d[f.name] for f in fields(cls) if f.name in d}}
+        L = kw["num_hidden_layers"]
+        types = list(kw["layer_types"] or
+                     ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(L)])
+        types[-1] = "full_attention"  # transformers forces the last layer to full attention
+        kw["layer_types"] = tuple(types)
+        kw["rope_parameters"] = kw["rope_parameters"] or DEFAULT_ROPE
+        kw["per_layer_config"] = _per_layer_config(d, kw)
         return cls(**kw)
 
     # ---- derived per-layer values --------------------------------------------------------
@@ -107,6 +120,96 @@ class Gemma4TextConfig:
 
     def layer_intermediate_size(self, i: int) -> int:
         return self.intermediate_size * (2 if self.use_double_wide_mlp and self.is_kv_shared(i) else 1)
+
+
+# ---- config.json forms -----------------------------------------------------------------------
+# transformers 5.24 Gemma4TextConfig defaults, for keys a config.json may omit.
+HF_DEFAULTS = dict(
+    vocab_size=262_144, hidden_size=2304, intermediate_size=9216, num_hidden_layers=30, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072,
+    rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
+    rope_parameters=None, attention_bias=False, sliding_window=512, layer_types=None, final_logit_softcapping=None,
+    vocab_size_per_layer_input=262_144, hidden_size_per_layer_input=256, num_kv_shared_layers=0,
+    use_double_wide_mlp=False, attention_k_eq_v=False, enable_moe_block=False, use_bidirectional_attention=None)
+DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1_000_000.0}}
+# The full layers' shapes: the release writes the global_* keys, transformers 5.24 saves per_layer_config.
+HEAD_SHAPE_KEYS = {"global_head_dim", "num_global_key_value_heads", "per_layer_config"}
+PER_LAYER_KEYS = {"head_dim", "num_key_value_heads"}  # the per_layer_config overrides this source honours
+ROPE_KEYS = {"rope_type", "rope_theta", "partial_rotary_factor", "factor"}
+# PreTrainedConfig bookkeeping, attention_dropout (refused unless 0) and the MoE sizes (unused unless
+# enable_moe_block, which is refused).
+NO_MATH_KEYS = {
+    "_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "torch_dtype", "id2label", "label2id",
+    "is_encoder_decoder", "model_type", "output_attentions", "output_hidden_states", "problem_type", "return_dict",
+    "transformers_version", "initializer_range", "use_cache", "attention_dropout",
+    "num_experts", "top_k_experts", "moe_intermediate_size"}
+# Gemma4Config (model_type "gemma4", Gemma4ForConditionalGeneration): the towers' configs and their token ids
+# are not the language model's; the text-only source reads text_config alone.
+MULTIMODAL_KEYS = {"text_config", "vision_config", "audio_config", "boi_token_id", "eoi_token_id", "image_token_id",
+                   "video_token_id", "boa_token_id", "eoa_token_index", "audio_token_id", "tie_word_embeddings"}
+# Release weights outside the language model: the vision / audio towers and their embedders into the LM.
+SKIPPED_TOWERS = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
+LANGUAGE_MODEL = "model.language_model."
+
+
+def _text_config(d: dict) -> dict:
+    """The language model's keys: d itself (gemma4_text) or, for a release's gemma4 config, d["text_config"]."""
+    if d.get("model_type") == "gemma4" or "text_config" in d:
+        unknown = sorted(d.keys() - MULTIMODAL_KEYS - NO_MATH_KEYS)
+        if unknown:
+            raise ValueError(f"Gemma 4 multimodal config: unknown key(s) {unknown}; refusing to guess what they mean")
+        text = d.get("text_config") or {}
+        if d.get("tie_word_embeddings", True) != text.get("tie_word_embeddings", True):
+            raise ValueError("Gemma 4 config: tie_word_embeddings differs between the top level and text_config")
+        d = text
+    if d.get("model_type", "gemma4_text") != "gemma4_text":
+        raise ValueError(f"not a Gemma 4 text config: model_type {d.get('model_type')!r}")
+    return d
+
+
+def _per_layer_config(d: dict, kw: dict) -> dict:
+    """{"<layer>": overrides} as transformers resolves it: a saved per_layer_config wins; otherwise every full
+    layer gets head_dim = global_head_dim (default 512) and, only with attention_k_eq_v (transformers gates it
+    so), num_key_value_heads = num_global_key_value_heads."""
+    if "per_layer_config" in d:
+        return {str(int(i)): dict(o) for i, o in (d["per_layer_config"] or {}).items()}  # keys may be zero-padded
+    over = {"head_dim": d.get("global_head_dim", 512)}
+    if kw["attention_k_eq_v"] and d.get("num_global_key_value_heads") is not None:
+        over["num_key_value_heads"] = d["num_global_key_value_heads"]
+    return {str(i): dict(over) for i, t in enumerate(kw["layer_types"]) if t == "full_attention"}
+
+
+def _check_supported(c) -> None:
+    """Refuse, naming the key, what this dense causal text source does not implement."""
+    def refuse(why):
+        raise ValueError(f"Gemma 4 config not supported by this source: {why}")
+    if c.enable_moe_block:
+        refuse("enable_moe_block (the 26B-A4B MoE block) is not implemented")
+    if c.use_bidirectional_attention not in (None, "vision"):
+        refuse(f"use_bidirectional_attention={c.use_bidirectional_attention!r} (only causal text attention)")
+    if c.hidden_activation != "gelu_pytorch_tanh":
+        refuse(f"hidden_activation={c.hidden_activation!r}")
+    if len(c.layer_types) != c.num_hidden_layers or set(c.layer_types) - {"sliding_attention", "full_attention"}:
+        refuse(f"layer_types={list(c.layer_types)}")
+    if c.layer_types[-1] != "full_attention":
+        refuse("the last layer must be full attention (transformers forces it)")
+    for t in set(c.layer_types):
+        p = c.rope_parameters.get(t) or {}
+        if p.get("rope_type") not in ("default", "proportional") or set(p) - ROPE_KEYS:
+            refuse(f"rope_parameters[{t!r}]={p}")
+    for i, over in c.per_layer_config.items():
+        if not 0 <= int(i) < c.num_hidden_layers or set(over) - PER_LAYER_KEYS:
+            refuse(f"per_layer_config[{i!r}]={over} (honoured: {sorted(PER_LAYER_KEYS)} of layers 0..L-1)")
+    for t in set(c.layer_types):
+        if len({(c.layer_head_dim(i), c.layer_num_kv_heads(i)) for i, u in enumerate(c.layer_types) if u == t}) > 1:
+            refuse(f"{t} layers differ in head shape")
+    if any(c.num_attention_heads % c.layer_num_kv_heads(i) for i in range(c.num_hidden_layers)):
+        refuse("num_attention_heads is not a multiple of every layer's KV head count")
+    if not 0 <= c.num_kv_shared_layers < c.num_hidden_layers or \
+            set(c.layer_types) - set(c.layer_types[:c.first_kv_shared_layer_idx]):
+        refuse(f"num_kv_shared_layers={c.num_kv_shared_layers}: a layer type has no earlier layer to share K/V from")
 
 
 # ---- operators -------------------------------------------------------------------------------
@@ -227,6 +330,11 @@ class Gemma4Attention(nn.Module):
         c = self.config
         return c.sliding_window if c.layer_types[self.layer_idx] == "sliding_attention" else None
 
+    @property
+    def k_eq_v(self) -> bool:
+        c = self.config
+        return c.attention_k_eq_v and c.layer_types[self.layer_idx] == "full_attention"
+
     scaling = 1.0  # q/k norms replace the 1/sqrt(hd) scale
 
     def setup(self):
@@ -236,7 +344,8 @@ class Gemma4Attention(nn.Module):
         self.q_norm = _Norm(c.rms_norm_eps)
         if not self.is_kv_shared:
             self.k_proj = dense(c.layer_num_kv_heads(self.layer_idx) * hd)
-            self.v_proj = dense(c.layer_num_kv_heads(self.layer_idx) * hd)
+            if not self.k_eq_v:  # attention_k_eq_v: full layers have no v_proj (V = raw K projection)
+                self.v_proj = dense(c.layer_num_kv_heads(self.layer_idx) * hd)
             self.k_norm = _Norm(c.rms_norm_eps)
         self.o_proj = dense(c.hidden_size)
 
@@ -252,7 +361,7 @@ class Gemma4Attention(nn.Module):
             return q, None, None
         K = c.layer_num_kv_heads(self.layer_idx)
         k = self.k_proj(hidden).reshape(B, T, K, hd)
-        v = self.v_proj(hidden).reshape(B, T, K, hd)
+        v = k if self.k_eq_v else self.v_proj(hidden).reshape(B, T, K, hd)
         k = apply_rope(self.k_norm(k), cos, sin)
         v = rms_norm(v, None, c.rms_norm_eps)
         return q, k, v
@@ -282,17 +391,19 @@ class Gemma4DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = _Norm(eps)
         self.post_feedforward_layernorm = _Norm(eps)
         self.layer_scalar = self.param("layer_scalar", nn.initializers.ones_init(), (1,), jnp.float32)
-        self.per_layer_input_gate = nn.Dense(c.hidden_size_per_layer_input, use_bias=False)
-        self.per_layer_projection = nn.Dense(c.hidden_size, use_bias=False)
-        self.post_per_layer_input_norm = _Norm(eps)
+        if c.hidden_size_per_layer_input:  # per-layer inputs (E2B/E4B); none when it is 0
+            self.per_layer_input_gate = nn.Dense(c.hidden_size_per_layer_input, use_bias=False)
+            self.per_layer_projection = nn.Dense(c.hidden_size, use_bias=False)
+            self.post_per_layer_input_norm = _Norm(eps)
 
     def after_attention(self, residual, attn_out, per_layer_input):
         """residual f32[B,T,D] (layer input), attn_out f32[B,T,D] (after o_proj),
-        per_layer_input f32[B,T,P] -> layer output f32[B,T,D]."""
+        per_layer_input f32[B,T,P] (None without PLE) -> layer output f32[B,T,D]."""
         h = residual + self.post_attention_layernorm(attn_out)
         h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-        gate = _gelu_tanh(self.per_layer_input_gate(h)) * per_layer_input
-        h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))
+        if self.config.hidden_size_per_layer_input:
+            gate = _gelu_tanh(self.per_layer_input_gate(h)) * per_layer_input
+            h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))
         return h * self.layer_scalar  # scales the residual stream too, not only the branch
 
     def __call__(self, hidden, per_layer_input, mask, cos, sin, shared_kv=None):
@@ -308,9 +419,10 @@ class Gemma4TextModel(nn.Module):
         c = self.config
         L, P = c.num_hidden_layers, c.hidden_size_per_layer_input
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size)
-        self.embed_tokens_per_layer = nn.Embed(c.vocab_size_per_layer_input, L * P)
-        self.per_layer_model_projection = nn.Dense(L * P, use_bias=False)
-        self.per_layer_projection_norm = _Norm(c.rms_norm_eps)
+        if P:
+            self.embed_tokens_per_layer = nn.Embed(c.vocab_size_per_layer_input, L * P)
+            self.per_layer_model_projection = nn.Dense(L * P, use_bias=False)
+            self.per_layer_projection_norm = _Norm(c.rms_norm_eps)
         self.layers = [Gemma4DecoderLayer(c, i) for i in range(L)]
         self.norm = _Norm(c.rms_norm_eps)
 
@@ -319,9 +431,11 @@ class Gemma4TextModel(nn.Module):
 
     def per_layer_inputs(self, input_ids, inputs_embeds):
         """PLE: i32[B,T], f32[B,T,D] (scaled embeddings) -> f32[B,T,L,P]
-        = (norm(proj(embeds) / sqrt(D)) + embed_per_layer(ids) * sqrt(P)) / sqrt(2)."""
+        = (norm(proj(embeds) / sqrt(D)) + embed_per_layer(ids) * sqrt(P)) / sqrt(2); None without PLE."""
         c = self.config
         L, P = c.num_hidden_layers, c.hidden_size_per_layer_input
+        if not P:
+            return None
         token = self.embed_tokens_per_layer(input_ids) * jnp.float32(P ** 0.5)
         token = token.reshape(*input_ids.shape, L, P)
         proj = self.per_layer_model_projection(inputs_embeds) * jnp.float32(c.hidden_size ** -0.5)
@@ -348,7 +462,7 @@ class Gemma4TextModel(nn.Module):
         kv_of_layer = {}
         for i, layer in enumerate(self.layers):
             t = c.layer_types[i]
-            h, kv_of_layer[i] = layer(h, ple[:, :, i], masks[t], *rope[t],
+            h, kv_of_layer[i] = layer(h, None if ple is None else ple[:, :, i], masks[t], *rope[t],
                                       shared_kv=kv_of_layer.get(c.kv_source_layer(i)))
         return self.norm(h)
 

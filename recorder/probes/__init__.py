@@ -9,7 +9,10 @@ from grader.h5schema import CheckRecord
 
 
 def run_probes(specs, probes: dict, ctx, console) -> list[CheckRecord]:
-    """Run every catalogued check's probe in catalog order, with a progress bar."""
+    """Run every catalogued check's probe in catalog order, with a progress bar (only the config's `levels`,
+    where it names some)."""
+    levels = ctx.cfg.get("levels")
+    specs = [s for s in specs if not levels or s.level in levels]
     missing = [s.key for s in specs if s.name not in probes]
     if missing:
         raise RuntimeError(f"no probe for {missing}")

@@ -16,6 +16,7 @@ from grader.trace import pressure_config, trace_arrays
 from grader.workloads import (FINISH_CODES, TOP_LOGPROBS, branch_params, dense_logprobs, prompt_logprob_arrays,
                               pad_rows, long_decode_config, run_long_decode, run_stop_workload, sampled_params, stop_params)
 from recorder.probes.training import ROOT, checkpoint_layout, n, public_names, rng_for, t
+from recorder.provenance import checkpoint_dir
 
 SERVING_MODULES = ("serving/config.py", "serving/request.py", "serving/block_pool.py",
                    "serving/kv_cache_manager.py", "serving/scheduler.py", "serving/input_batch.py",
@@ -35,12 +36,13 @@ class Ctx:
     def __init__(self, cfg):
         torch.set_num_threads(1)  # eager small-batch decode: threads cost more than they give on 2 cores
         self.cfg = cfg
-        self.ckpt = ROOT / cfg.family.checkpoint
+        self.ckpt = checkpoint_dir(cfg)  # checkpoint=PATH, else the family's
         self.family = importlib.import_module("torch_sources." + cfg.family.model_module[:-3].replace("/", "."))
         self.engine_config = sv("config").EngineConfig(**dict(cfg.mode.engine))
         self.runner = sv("model_runner").ModelRunner(self.ckpt, self.engine_config)
         self.config = self.runner.model_config
         self.vocab = self.config.vocab_size
+        self.wall = None  # set by the L5 workload probe
 
     def fresh_runner(self):
         return sv("model_runner").ModelRunner(self.ckpt, self.engine_config)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import ast
+import gc
 import hashlib
 import importlib
 import json
@@ -22,7 +23,7 @@ from grader.checks import checks_for
 from grader.h5schema import CheckRecord
 from grader.layout import layout_arrays
 from grader.workloads import FIXED_STEPS_OPTIONS, data_fields, fixed_step_runs, tied_checkpoint
-from recorder.provenance import ROOT
+from recorder.provenance import ROOT, checkpoint_dir
 
 # modules whose public names a candidate must mirror (relative to torch_sources/ and jax_oracles/); the
 # method's workflow (training/<method>.py) is added per task
@@ -52,7 +53,7 @@ class Ctx:
         self.cfg = cfg
         self.family = importlib.import_module("torch_sources." + cfg.family.model_module[:-3].replace("/", "."))
         self.prefix = cfg.family.model_prefix
-        self.ckpt = ROOT / cfg.family.checkpoint
+        self.ckpt = checkpoint_dir(cfg)  # checkpoint=PATH, else the family's
         self.model = getattr(self.family, f"{self.prefix}ForCausalLM").from_pretrained(self.ckpt)
         self.config = self.model.config
         self.method = cfg.method.name
@@ -64,7 +65,7 @@ class Ctx:
         args_cls, self.entry = METHOD_ENTRIES[self.method]
         self.args = getattr(self.workflow, args_cls)(**dict(cfg.method.train), template=cfg.family.template)
         self.features = frozenset(cfg.family.features)
-        self.result, self.band, self.l6_attrs = None, None, {}
+        self.result, self.band, self.l6_attrs, self.wall = None, None, {}, None
 
     def layer0(self, model=None):
         """Decoder layer 0 of the model (the family yaml's `layers` path)."""
@@ -111,8 +112,8 @@ def probe_layout(ctx):
 
 def checkpoint_layout(ckpt) -> dict[str, tuple[int, ...]]:
     """{HF name: shape} of every checkpoint tensor: a converted tree must come from each exactly once."""
-    from torch_sources.models.loading import load_state_dict
-    return {name: tuple(p.shape) for name, p in load_state_dict(ckpt).items()}
+    from torch_sources.models.loading import tensor_index
+    return {name: tuple(e["shape"]) for name, (_, e) in tensor_index(ckpt).items()}  # the headers: no tensor read
 
 
 def probe_param_tree(ctx):
@@ -121,7 +122,8 @@ def probe_param_tree(ctx):
 
 def probe_lora_trainable(ctx):
     lora = importlib.import_module("torch_sources.training.lora")
-    model = getattr(ctx.family, f"{ctx.prefix}ForCausalLM").from_pretrained(ctx.ckpt)
+    with torch.device("meta"):  # names and shapes only: a release-sized model is not loaded twice
+        model = getattr(ctx.family, f"{ctx.prefix}ForCausalLM")(ctx.config)
     lora.inject_lora(model, ctx.sft.lora_config(ctx.args), seed=0)
     sd = lora.lora_state_dict(model)
     trainable = sorted(name for name, p in model.named_parameters() if p.requires_grad)
@@ -485,7 +487,12 @@ def record_task(cfg, dev, console):
     ctx = Ctx(cfg)
     spec, checks = checks_for("training", ctx.method, ctx.features)
     probes = {**PROBES, **{"dpo": DPO_PROBES, "ppo": PPO_PROBES}.get(ctx.method, {})}
-    records = run_probes([s for s in spec + checks if s.name != "torch_free"], probes, ctx, console)
+    specs = [s for s in spec + checks if s.name != "torch_free"]
+    shared = [s for s in specs if s.level in ("L0", "L1", "L2", "L3")]  # the probes that read ctx.model
+    records = run_probes(shared, probes, ctx, console)
+    ctx.model = None  # L4 on load their own model: a release-sized model is never held twice
+    gc.collect()
+    records += run_probes([s for s in specs if s not in shared], probes, ctx, console)
     for r in records:  # what the L6 probes computed about the reference run (bands, before-training values)
         r.attrs.update(ctx.l6_attrs.get(r.name, {}))
     return records, ctx.band, ctx.wall

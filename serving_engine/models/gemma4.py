@@ -44,8 +44,17 @@ def _layer(lm, i, hidden, per_layer_input, cos, sin, kv_cache: PagedKVCache, met
     return layer.after_attention(hidden, attn.project_output(out[None]), per_layer_input), kv_cache
 
 
+def _ple_of(ple, i):  # f32[1,T,L,P] | None (no per-layer inputs) -> layer i's f32[1,T,P] | None
+    return None if ple is None else ple[:, :, i]
+
+
+def _ple_row(per_layer_input):  # f32[T,P] | None -> f32[1,T,P] | None
+    return None if per_layer_input is None else per_layer_input[None]
+
+
 def _inputs(lm, input_ids, positions):
-    """-> scaled embeddings f32[1,T,D], per-layer inputs f32[1,T,L,P], {layer_type: (cos, sin) f32[1,T,hd]}."""
+    """-> scaled embeddings f32[1,T,D], per-layer inputs f32[1,T,L,P] (None without PLE),
+    {layer_type: (cos, sin) f32[1,T,hd]}."""
     ids = input_ids[None]
     hidden = lm.model.embed(ids)
     return hidden, lm.model.per_layer_inputs(ids, hidden), lm.model.rope(positions[None])
@@ -54,11 +63,11 @@ def _inputs(lm, input_ids, positions):
 def decoder_layer_paged(model: PagedModel, layer_idx: int, hidden, per_layer_input, positions,
                         kv_cache: PagedKVCache, attn_meta: AttentionMetadata):
     """One decoder layer on a ragged batch: hidden f32[T,D], per_layer_input f32[T,P] (PLE slice of this
-    layer), positions i32[T] -> (hidden f32[T,D], kv_cache) with layer layer_idx's K/V written (none if the
-    layer is KV-shared)."""
+    layer; None, or ignored, without PLE), positions i32[T] -> (hidden f32[T,D], kv_cache) with layer
+    layer_idx's K/V written (none if the layer is KV-shared)."""
     lm = _bind(model)
     cos, sin = lm.model.rope(positions[None])[model.config.layer_types[layer_idx]]
-    hidden, kv_cache = _layer(lm, layer_idx, hidden[None], per_layer_input[None], cos, sin, kv_cache, attn_meta)
+    hidden, kv_cache = _layer(lm, layer_idx, hidden[None], _ple_row(per_layer_input), cos, sin, kv_cache, attn_meta)
     return hidden[0], kv_cache
 
 
@@ -67,7 +76,7 @@ def forward_paged(model: PagedModel, input_ids, positions, kv_cache: PagedKVCach
     lm = _bind(model)
     hidden, ple, rope = _inputs(lm, input_ids, positions)
     for i, layer_type in enumerate(model.config.layer_types):
-        hidden, kv_cache = _layer(lm, i, hidden, ple[:, :, i], *rope[layer_type], kv_cache, attn_meta)
+        hidden, kv_cache = _layer(lm, i, hidden, _ple_of(ple, i), *rope[layer_type], kv_cache, attn_meta)
     return lm.model.norm(hidden)[0], kv_cache
 
 

@@ -1,19 +1,26 @@
 """Gemma 4 text model (dense; E2B/E4B/31B style), pure PyTorch, eager fp32.
 
-Follows transformers 5.24 `models/gemma4/modeling_gemma4.py` (Gemma4ForCausalLM):
+Follows transformers 5.24 `models/gemma4/modeling_gemma4.py` (Gemma4ForCausalLM, and the language
+model of Gemma4ForConditionalGeneration, which is what a release directory holds):
 - layers are "sliding_attention" (window `sliding_window`) or "full_attention"; full
-  layers may have a larger head_dim / other KV-head count (`per_layer_config`);
+  layers may have a larger head_dim / other KV-head count (`global_head_dim`,
+  `num_global_key_value_heads`, resolved into `per_layer_config` as transformers does);
+- with `attention_k_eq_v` full layers have no v_proj: V is the raw K projection;
 - rope per layer type: sliding "default" (theta 1e4), full "proportional" (only the
   first int(partial_rotary_factor * hd / 2) frequency pairs rotate, the rest have
   frequency 0; the exponent denominator is the full hd);
 - q_norm, k_norm (weighted) and v_norm (no weight) over head_dim; attention scale 1.0;
 - RMSNorm is x * (mean(x^2) + eps)^-0.5 * w with a plain weight (not 1 + w), in fp32;
-- 4 norms per layer, then per-layer input embeddings (PLE) and a learned `layer_scalar`
-  that multiplies the whole hidden state;
+- 4 norms per layer, then per-layer input embeddings (PLE, absent when
+  `hidden_size_per_layer_input` is 0) and a learned `layer_scalar` that multiplies the
+  whole hidden state;
 - the last `num_kv_shared_layers` layers compute no K/V: each reuses the K/V of the last
   earlier non-shared layer of its own type (`Gemma4TextConfig.kv_source_layer`), and
   with `use_double_wide_mlp` their MLP is twice as wide;
 - embeddings scaled by sqrt(hidden_size); tied lm_head; logits soft-capped.
+
+Config keys this source does not implement (the MoE block, bidirectional attention, other
+activations or rope types, unknown keys) are refused by `Gemma4TextConfig`, never ignored.
 
 Serving hooks (a paged KV cache supplies K/V from outside):
 `Gemma4TextModel.embed`, `.per_layer_inputs`, `.rope`; per layer `input_layernorm`,
@@ -36,6 +43,7 @@ __all__ = [
     "Gemma4TextConfig",
     "rms_norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention",
     "Gemma4MLP", "Gemma4Attention", "Gemma4DecoderLayer", "Gemma4TextModel", "Gemma4ForCausalLM",
+    "text_state_dict",
 ]
 
 
@@ -55,35 +63,46 @@ class Gemma4TextConfig:
     eos_token_id: int | list[int] | None
     bos_token_id: int | None
     tie_word_embeddings: bool
-    rope_parameters: dict       # {layer_type: {"rope_type", "rope_theta", ["partial_rotary_factor"]}}
+    rope_parameters: dict       # {layer_type: {"rope_type", "rope_theta", ["partial_rotary_factor"], ["factor"]}}
     attention_bias: bool
     sliding_window: int
     layer_types: tuple[str, ...]
     final_logit_softcapping: float | None
     vocab_size_per_layer_input: int
-    hidden_size_per_layer_input: int
+    hidden_size_per_layer_input: int  # 0: no per-layer inputs (26B-A4B / 31B style)
     num_kv_shared_layers: int
     use_double_wide_mlp: bool
     per_layer_config: dict      # {"<layer idx>": {"head_dim": .., ["num_key_value_heads": ..]}}
-    attention_k_eq_v: bool = False
+    attention_k_eq_v: bool = False  # full layers: no v_proj, V = v_norm(k_proj(x)) (31B style)
     enable_moe_block: bool = False
-    use_bidirectional_attention: str | None = None
+    use_bidirectional_attention: str | None = None  # "vision" only changes image-token masks: none here
 
     def __post_init__(self):
-        # This file is the dense, causal, separate-V variant; the MoE / K=V (26B-A4B) one is a fork.
-        assert not self.enable_moe_block and not self.attention_k_eq_v, "MoE / attention_k_eq_v: not this model"
-        assert self.use_bidirectional_attention is None and self.hidden_activation == "gelu_pytorch_tanh"
-        assert self.layer_types[-1] == "full_attention", "transformers forces the last layer to full attention"
+        _check_supported(self)
 
     def __hash__(self):  # dict fields: hash the json form, so the config can be a static jit argument
         return hash(json.dumps(asdict(self), sort_keys=True))
 
     @classmethod
     def from_hf(cls, d: dict) -> "Gemma4TextConfig":
-        d = d.get("text_config", d)  # a multimodal Gemma4Config nests the text model
-        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
-        kw["layer_types"] = tuple(kw["layer_types"])
-        kw["per_layer_config"] = {str(k): dict(v) for k, v in kw.get("per_layer_config", {}).items()}
+        """From config.json: a text-only `gemma4_text` one, or a release's multimodal `gemma4` one (the
+        language model under `text_config`). Missing keys take transformers' defaults, and the layer pattern,
+        rope and per-layer head shapes resolve as Gemma4TextConfig.__post_init__ does; a key that is not
+        known is refused."""
+        d = _text_config(d)
+        unknown = sorted(d.keys() - {f.name for f in fields(cls)} - HEAD_SHAPE_KEYS - NO_MATH_KEYS)
+        if unknown:
+            raise ValueError(f"Gemma 4 text config: unknown key(s) {unknown}; refusing to guess what they mean")
+        if d.get("attention_dropout"):  # train-mode math this source has no dropout for
+            raise ValueError(f"Gemma 4 config not supported by this source: attention_dropout={d['attention_dropout']}")
+        kw = {**HF_DEFAULTS, **{f.name: d[f.name] for f in fields(cls) if f.name in d}}
+        L = kw["num_hidden_layers"]
+        types = list(kw["layer_types"] or
+                     ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(L)])
+        types[-1] = "full_attention"  # transformers forces the last layer to full attention
+        kw["layer_types"] = tuple(types)
+        kw["rope_parameters"] = kw["rope_parameters"] or DEFAULT_ROPE
+        kw["per_layer_config"] = _per_layer_config(d, kw)
         return cls(**kw)
 
     @classmethod
@@ -117,6 +136,96 @@ class Gemma4TextConfig:
 
     def layer_intermediate_size(self, i: int) -> int:
         return self.intermediate_size * (2 if self.use_double_wide_mlp and self.is_kv_shared(i) else 1)
+
+
+# ---- config.json forms -----------------------------------------------------------------------
+# transformers 5.24 Gemma4TextConfig defaults, for keys a config.json may omit.
+HF_DEFAULTS = dict(
+    vocab_size=262_144, hidden_size=2304, intermediate_size=9216, num_hidden_layers=30, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072,
+    rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
+    rope_parameters=None, attention_bias=False, sliding_window=512, layer_types=None, final_logit_softcapping=None,
+    vocab_size_per_layer_input=262_144, hidden_size_per_layer_input=256, num_kv_shared_layers=0,
+    use_double_wide_mlp=False, attention_k_eq_v=False, enable_moe_block=False, use_bidirectional_attention=None)
+DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1_000_000.0}}
+# The full layers' shapes: the release writes the global_* keys, transformers 5.24 saves per_layer_config.
+HEAD_SHAPE_KEYS = {"global_head_dim", "num_global_key_value_heads", "per_layer_config"}
+PER_LAYER_KEYS = {"head_dim", "num_key_value_heads"}  # the per_layer_config overrides this source honours
+ROPE_KEYS = {"rope_type", "rope_theta", "partial_rotary_factor", "factor"}
+# PreTrainedConfig bookkeeping, attention_dropout (refused unless 0) and the MoE sizes (unused unless
+# enable_moe_block, which is refused).
+NO_MATH_KEYS = {
+    "_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "torch_dtype", "id2label", "label2id",
+    "is_encoder_decoder", "model_type", "output_attentions", "output_hidden_states", "problem_type", "return_dict",
+    "transformers_version", "initializer_range", "use_cache", "attention_dropout",
+    "num_experts", "top_k_experts", "moe_intermediate_size"}
+# Gemma4Config (model_type "gemma4", Gemma4ForConditionalGeneration): the towers' configs and their token ids
+# are not the language model's; the text-only source reads text_config alone.
+MULTIMODAL_KEYS = {"text_config", "vision_config", "audio_config", "boi_token_id", "eoi_token_id", "image_token_id",
+                   "video_token_id", "boa_token_id", "eoa_token_index", "audio_token_id", "tie_word_embeddings"}
+# Release weights outside the language model: the vision / audio towers and their embedders into the LM.
+SKIPPED_TOWERS = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
+LANGUAGE_MODEL = "model.language_model."
+
+
+def _text_config(d: dict) -> dict:
+    """The language model's keys: d itself (gemma4_text) or, for a release's gemma4 config, d["text_config"]."""
+    if d.get("model_type") == "gemma4" or "text_config" in d:
+        unknown = sorted(d.keys() - MULTIMODAL_KEYS - NO_MATH_KEYS)
+        if unknown:
+            raise ValueError(f"Gemma 4 multimodal config: unknown key(s) {unknown}; refusing to guess what they mean")
+        text = d.get("text_config") or {}
+        if d.get("tie_word_embeddings", True) != text.get("tie_word_embeddings", True):
+            raise ValueError("Gemma 4 config: tie_word_embeddings differs between the top level and text_config")
+        d = text
+    if d.get("model_type", "gemma4_text") != "gemma4_text":
+        raise ValueError(f"not a Gemma 4 text config: model_type {d.get('model_type')!r}")
+    return d
+
+
+def _per_layer_config(d: dict, kw: dict) -> dict:
+    """{"<layer>": overrides} as transformers resolves it: a saved per_layer_config wins; otherwise every full
+    layer gets head_dim = global_head_dim (default 512) and, only with attention_k_eq_v (transformers gates it
+    so), num_key_value_heads = num_global_key_value_heads."""
+    if "per_layer_config" in d:
+        return {str(int(i)): dict(o) for i, o in (d["per_layer_config"] or {}).items()}  # keys may be zero-padded
+    over = {"head_dim": d.get("global_head_dim", 512)}
+    if kw["attention_k_eq_v"] and d.get("num_global_key_value_heads") is not None:
+        over["num_key_value_heads"] = d["num_global_key_value_heads"]
+    return {str(i): dict(over) for i, t in enumerate(kw["layer_types"]) if t == "full_attention"}
+
+
+def _check_supported(c) -> None:
+    """Refuse, naming the key, what this dense causal text source does not implement."""
+    def refuse(why):
+        raise ValueError(f"Gemma 4 config not supported by this source: {why}")
+    if c.enable_moe_block:
+        refuse("enable_moe_block (the 26B-A4B MoE block) is not implemented")
+    if c.use_bidirectional_attention not in (None, "vision"):
+        refuse(f"use_bidirectional_attention={c.use_bidirectional_attention!r} (only causal text attention)")
+    if c.hidden_activation != "gelu_pytorch_tanh":
+        refuse(f"hidden_activation={c.hidden_activation!r}")
+    if len(c.layer_types) != c.num_hidden_layers or set(c.layer_types) - {"sliding_attention", "full_attention"}:
+        refuse(f"layer_types={list(c.layer_types)}")
+    if c.layer_types[-1] != "full_attention":
+        refuse("the last layer must be full attention (transformers forces it)")
+    for t in set(c.layer_types):
+        p = c.rope_parameters.get(t) or {}
+        if p.get("rope_type") not in ("default", "proportional") or set(p) - ROPE_KEYS:
+            refuse(f"rope_parameters[{t!r}]={p}")
+    for i, over in c.per_layer_config.items():
+        if not 0 <= int(i) < c.num_hidden_layers or set(over) - PER_LAYER_KEYS:
+            refuse(f"per_layer_config[{i!r}]={over} (honoured: {sorted(PER_LAYER_KEYS)} of layers 0..L-1)")
+    for t in set(c.layer_types):
+        if len({(c.layer_head_dim(i), c.layer_num_kv_heads(i)) for i, u in enumerate(c.layer_types) if u == t}) > 1:
+            refuse(f"{t} layers differ in head shape")
+    if any(c.num_attention_heads % c.layer_num_kv_heads(i) for i in range(c.num_hidden_layers)):
+        refuse("num_attention_heads is not a multiple of every layer's KV head count")
+    if not 0 <= c.num_kv_shared_layers < c.num_hidden_layers or \
+            set(c.layer_types) - set(c.layer_types[:c.first_kv_shared_layer_idx]):
+        refuse(f"num_kv_shared_layers={c.num_kv_shared_layers}: a layer type has no earlier layer to share K/V from")
 
 
 # ---- operators -------------------------------------------------------------------------------
@@ -232,7 +341,10 @@ class Gemma4Attention(nn.Module):
         self.q_norm = _Norm(self.head_dim, c.rms_norm_eps)
         if not self.is_kv_shared:
             self.k_proj = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=c.attention_bias)
-            self.v_proj = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=c.attention_bias)
+            # attention_k_eq_v: full layers have no v_proj; V is the raw K projection (v_norm'ed, not roped)
+            self.k_eq_v = c.attention_k_eq_v and self.layer_type == "full_attention"
+            if not self.k_eq_v:
+                self.v_proj = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=c.attention_bias)
             self.k_norm = _Norm(self.head_dim, c.rms_norm_eps)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, D, bias=c.attention_bias)
 
@@ -246,7 +358,7 @@ class Gemma4Attention(nn.Module):
         if self.is_kv_shared:
             return q, None, None
         k = self.k_proj(hidden).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(B, T, self.num_kv_heads, self.head_dim)
+        v = k if self.k_eq_v else self.v_proj(hidden).view(B, T, self.num_kv_heads, self.head_dim)
         k = apply_rope(self.k_norm(k), cos, sin)
         v = rms_norm(v, None, self.eps)
         return q, k, v
@@ -273,18 +385,20 @@ class Gemma4DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = _Norm(D, eps)
         self.post_feedforward_layernorm = _Norm(D, eps)
         self.register_buffer("layer_scalar", torch.ones(1))  # a buffer in transformers too
-        P = config.hidden_size_per_layer_input
-        self.per_layer_input_gate = nn.Linear(D, P, bias=False)
-        self.per_layer_projection = nn.Linear(P, D, bias=False)
-        self.post_per_layer_input_norm = _Norm(D, eps)
+        P = self.ple_dim = config.hidden_size_per_layer_input
+        if P:  # per-layer inputs (E2B/E4B); releases with hidden_size_per_layer_input 0 have none
+            self.per_layer_input_gate = nn.Linear(D, P, bias=False)
+            self.per_layer_projection = nn.Linear(P, D, bias=False)
+            self.post_per_layer_input_norm = _Norm(D, eps)
 
     def after_attention(self, residual, attn_out, per_layer_input):
         """residual f32[B,T,D] (layer input), attn_out f32[B,T,D] (after o_proj),
-        per_layer_input f32[B,T,P] -> layer output f32[B,T,D]."""
+        per_layer_input f32[B,T,P] (None without PLE) -> layer output f32[B,T,D]."""
         h = residual + self.post_attention_layernorm(attn_out)
         h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-        gate = F.gelu(self.per_layer_input_gate(h), approximate="tanh") * per_layer_input
-        h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))
+        if self.ple_dim:
+            gate = F.gelu(self.per_layer_input_gate(h), approximate="tanh") * per_layer_input
+            h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))
         return h * self.layer_scalar  # scales the residual stream too, not only the branch
 
     def forward(self, hidden, per_layer_input, mask, cos, sin, shared_kv=None):
@@ -299,9 +413,10 @@ class Gemma4TextModel(nn.Module):
         c = self.config = config
         L, P = c.num_hidden_layers, c.hidden_size_per_layer_input
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.embed_tokens_per_layer = nn.Embedding(c.vocab_size_per_layer_input, L * P)
-        self.per_layer_model_projection = nn.Linear(c.hidden_size, L * P, bias=False)
-        self.per_layer_projection_norm = _Norm(P, c.rms_norm_eps)
+        if P:
+            self.embed_tokens_per_layer = nn.Embedding(c.vocab_size_per_layer_input, L * P)
+            self.per_layer_model_projection = nn.Linear(c.hidden_size, L * P, bias=False)
+            self.per_layer_projection_norm = _Norm(P, c.rms_norm_eps)
         self.layers = nn.ModuleList(Gemma4DecoderLayer(c, i) for i in range(L))
         self.norm = _Norm(c.hidden_size, c.rms_norm_eps)
         for t in sorted(set(c.layer_types)):
@@ -312,9 +427,11 @@ class Gemma4TextModel(nn.Module):
 
     def per_layer_inputs(self, input_ids, inputs_embeds):
         """PLE: i32[B,T], f32[B,T,D] (scaled embeddings) -> f32[B,T,L,P]
-        = (norm(proj(embeds) / sqrt(D)) + embed_per_layer(ids) * sqrt(P)) / sqrt(2)."""
+        = (norm(proj(embeds) / sqrt(D)) + embed_per_layer(ids) * sqrt(P)) / sqrt(2); None without PLE."""
         c = self.config
         L, P = c.num_hidden_layers, c.hidden_size_per_layer_input
+        if not P:
+            return None
         token = self.embed_tokens_per_layer(input_ids) * torch.tensor(P ** 0.5)
         token = token.reshape(*input_ids.shape, L, P)
         proj = self.per_layer_model_projection(inputs_embeds) * c.hidden_size ** -0.5
@@ -341,7 +458,7 @@ class Gemma4TextModel(nn.Module):
         kv_of_layer = {}
         for i, layer in enumerate(self.layers):
             t = c.layer_types[i]
-            h, kv_of_layer[i] = layer(h, ple[:, :, i], masks[t], *rope[t],
+            h, kv_of_layer[i] = layer(h, None if ple is None else ple[:, :, i], masks[t], *rope[t],
                                       shared_kv=kv_of_layer.get(c.kv_source_layer(i)))
         return self.norm(h)
 
@@ -368,18 +485,42 @@ class Gemma4ForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path) -> "Gemma4ForCausalLM":
-        """Build from an HF checkpoint directory (single file or sharded index), fp32, eval mode."""
+        """Build from an HF checkpoint directory (single file or sharded index), fp32, eval mode: a text-only
+        `gemma4_text` one or a release's multimodal one (language model only, towers skipped)."""
         config = Gemma4TextConfig.from_pretrained(path)
-        state = {k: v.to(torch.float32) for k, v in load_state_dict(path).items() if not _unused_kv_key(config, k)}
+        state = {k: v.to(torch.float32) for k, v in text_state_dict(config, load_state_dict(path)).items()}
         model = cls(config).eval()
         missing, unexpected = model.load_state_dict(state, strict=False)
         tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-        assert set(missing) <= tied and not unexpected, (missing, unexpected)
+        if set(missing) - tied or unexpected:
+            raise ValueError(f"{path}: checkpoint/model mismatch: missing {sorted(set(missing) - tied)}, "
+                             f"unexpected {sorted(unexpected)}")
         return model
 
 
-def _unused_kv_key(config: Gemma4TextConfig, key: str) -> bool:
+def text_state_dict(config: Gemma4TextConfig, state: dict) -> dict:
+    """The language model's tensors under the text model's names (`model.layers...`, `lm_head`).
+
+    A release (Gemma4ForConditionalGeneration) stores them under `model.language_model.*`; its vision and
+    audio towers (SKIPPED_TOWERS) are dropped here on purpose, any other unknown prefix is an error. As in
+    transformers, k/v tensors of KV-shared layers and a tied lm_head are ignored."""
+    out = {}
+    for name, w in state.items():
+        if name.startswith(SKIPPED_TOWERS):
+            continue
+        if name.startswith(LANGUAGE_MODEL):
+            name = "model." + name[len(LANGUAGE_MODEL):]
+        elif not name.startswith("model.") and name != "lm_head.weight":
+            raise ValueError(f"Gemma 4 checkpoint: tensor {name!r} belongs to no known part")
+        if not _ignored_key(config, name):
+            out[name] = w
+    return out
+
+
+def _ignored_key(config: Gemma4TextConfig, key: str) -> bool:
     # Released checkpoints may still carry k/v weights on KV-shared layers; transformers ignores them.
+    if key == "lm_head.weight":
+        return config.tie_word_embeddings
     parts = key.split(".")
     return (len(parts) > 4 and parts[:2] == ["model", "layers"] and config.is_kv_shared(int(parts[2]))
             and parts[3] == "self_attn" and parts[4] in ("k_proj", "v_proj", "k_norm", "v_norm"))

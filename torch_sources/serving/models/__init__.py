@@ -13,8 +13,9 @@ from torch_sources.serving.models import gemma4, gpt_oss, llama3, qwen2, qwen3
 __all__ = ["FAMILIES", "family", "load_model"]
 
 # config.json model_type -> serving module
+# (a Gemma 4 release is "gemma4", the multimodal config; its language model is served)
 FAMILIES: dict[str, ModuleType] = {"llama": llama3, "qwen2": qwen2, "qwen3": qwen3, "gemma4_text": gemma4,
-                                 "gpt_oss": gpt_oss}
+                                 "gemma4": gemma4, "gpt_oss": gpt_oss}
 
 
 def family(model_dir) -> ModuleType:

@@ -37,8 +37,17 @@ def _layer(model, i, hidden, per_layer_input, cos, sin, kv_cache: PagedKVCache, 
     return layer.after_attention(hidden, attn.project_output(out[None]), per_layer_input)
 
 
+def _ple_of(ple, i):  # f32[1,T,L,P] | None (no per-layer inputs) -> layer i's f32[1,T,P] | None
+    return None if ple is None else ple[:, :, i]
+
+
+def _ple_row(per_layer_input):  # f32[T,P] | None -> f32[1,T,P] | None
+    return None if per_layer_input is None else per_layer_input[None]
+
+
 def _inputs(model, input_ids, positions):
-    """-> scaled embeddings f32[1,T,D], per-layer inputs f32[1,T,L,P], {layer_type: (cos, sin) f32[1,T,hd]}."""
+    """-> scaled embeddings f32[1,T,D], per-layer inputs f32[1,T,L,P] (None without PLE),
+    {layer_type: (cos, sin) f32[1,T,hd]}."""
     ids = torch.as_tensor(input_ids, dtype=torch.int64)[None]
     hidden = model.model.embed(ids)
     return hidden, model.model.per_layer_inputs(ids, hidden), model.model.rope(torch.as_tensor(positions)[None])
@@ -48,10 +57,10 @@ def _inputs(model, input_ids, positions):
 def decoder_layer_paged(model: Gemma4ForCausalLM, layer_idx: int, hidden, per_layer_input, positions,
                         kv_cache: PagedKVCache, attn_meta: AttentionMetadata):
     """One decoder layer on a ragged batch: hidden f32[T,D], per_layer_input f32[T,P] (PLE slice of this
-    layer), positions i32[T] -> (hidden f32[T,D], kv_cache) with layer layer_idx's K/V written (none if the
-    layer is KV-shared)."""
+    layer; None, or ignored, without PLE), positions i32[T] -> (hidden f32[T,D], kv_cache) with layer
+    layer_idx's K/V written (none if the layer is KV-shared)."""
     cos, sin = model.model.rope(torch.as_tensor(positions)[None])[model.config.layer_types[layer_idx]]
-    hidden = _layer(model, layer_idx, hidden[None], per_layer_input[None], cos, sin, kv_cache, attn_meta)
+    hidden = _layer(model, layer_idx, hidden[None], _ple_row(per_layer_input), cos, sin, kv_cache, attn_meta)
     return hidden[0], kv_cache
 
 
@@ -61,7 +70,7 @@ def forward_paged(model: Gemma4ForCausalLM, input_ids, positions, kv_cache: Page
     """input_ids i32[T], positions i32[T] -> (final-normed hidden f32[T,D], kv_cache)."""
     hidden, ple, rope = _inputs(model, input_ids, positions)
     for i, layer_type in enumerate(model.config.layer_types):
-        hidden = _layer(model, i, hidden, ple[:, :, i], *rope[layer_type], kv_cache, attn_meta)
+        hidden = _layer(model, i, hidden, _ple_of(ple, i), *rope[layer_type], kv_cache, attn_meta)
     return model.model.norm(hidden)[0], kv_cache
 
 
