@@ -43,8 +43,7 @@ __all__ = [
     "Gemma4TextConfig",
     "rms_norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention",
     "Gemma4MLP", "Gemma4Attention", "Gemma4DecoderLayer", "Gemma4TextModel", "Gemma4ForCausalLM",
-    "text_state_dict",
-]
+]  # text_state_dict is the torch loader's (the JAX side maps names in conversion/gemma4.py): not mirrored
 
 
 @dataclass(frozen=True)
