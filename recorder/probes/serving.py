@@ -85,7 +85,14 @@ def probe_engine_api(ctx):
 
 
 def probe_param_tree(ctx):
-    return {}, layout_arrays(checkpoint_layout(ctx.ckpt))
+    """The checkpoint's tensors the model reads, by HF name and shape. A multimodal release (Gemma 4) keeps its
+    language model under `model.language_model.*` beside vision/audio towers: the family's `text_state_dict`
+    names those tensors as the text model's (towers skipped), the names a converter's hf_layout reports."""
+    layout = checkpoint_layout(ctx.ckpt)
+    text_names = getattr(ctx.family, "text_state_dict", None)
+    if text_names is not None:
+        layout = text_names(ctx.config, layout)
+    return {}, layout_arrays(layout)
 
 
 # ---- L1 ----------------------------------------------------------------------------------------
