@@ -60,7 +60,14 @@ def test_recorder_and_grader_probes_give_identical_arrays(family):
 
     conv, ckpt = CONVERSIONS[family], FAMILIES[family]
     _, reference = recorder_training.probe_param_tree(SimpleNamespace(ckpt=ckpt))
-    _, reference_serving = recorder_serving.probe_param_tree(SimpleNamespace(ckpt=ckpt))
+    from torch_sources.models import gemma4 as torch_gemma4
+    from torch_sources.models import llama3 as torch_llama3
+
+    # the recorder's serving ctx: the torch family module and its config (a release's text_state_dict needs both)
+    torch_family, config_cls = {"llama3": (torch_llama3, torch_llama3.LlamaConfig),
+                                "gemma4": (torch_gemma4, torch_gemma4.Gemma4TextConfig)}[family]
+    serving_ctx = SimpleNamespace(ckpt=ckpt, family=torch_family, config=config_cls.from_pretrained(ckpt))
+    _, reference_serving = recorder_serving.probe_param_tree(serving_ctx)
     assert set(reference) == {"names", "shapes", "ranks", "numel_sorted", "total"}
     assert not _differs(reference_serving, reference)
     produced = grader_serving.probe_param_tree(SimpleNamespace(ckpt=ckpt, conversion=conv), {})
