@@ -22,12 +22,13 @@ order, so `python tools/checkpoints_gemma4.py` reproduces the files byte for byt
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package
+from make_checkpoints import write_checkpoint  # noqa: E402
 
 __all__ = ["GEMMA4_SEED", "GEMMA4_CONFIG", "GEMMA4_GENERATION_CONFIG", "gemma4_tensors", "make_gemma4",
            "GEMMA4_RELEASE_SEED", "GEMMA4_RELEASE_CONFIG", "gemma4_release_tensors", "make_gemma4_release", "main"]
@@ -301,33 +302,14 @@ def gemma4_release_tensors(config: dict = GEMMA4_RELEASE_CONFIG, seed: int = GEM
     return {name: _draw(rng, name, shapes[name]) for name in sorted(shapes)}
 
 
-def _write_json(path: Path, obj) -> None:
-    # Same serialisation as transformers' to_json_string: sorted keys, indent 2, trailing newline.
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
 def make_gemma4(out_dir=OUT_DIR) -> Path:
     """Write {config.json, generation_config.json, model.safetensors} into out_dir; return it."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / "config.json", GEMMA4_CONFIG)
-    _write_json(out / "generation_config.json", GEMMA4_GENERATION_CONFIG)
-    tensors = gemma4_tensors()
-    save_file({k: np.ascontiguousarray(tensors[k]) for k in sorted(tensors)},
-              str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+    return write_checkpoint(out_dir, GEMMA4_CONFIG, gemma4_tensors(), GEMMA4_GENERATION_CONFIG)
 
 
 def make_gemma4_release(out_dir=RELEASE_OUT_DIR) -> Path:
     """Write the release-layout {config.json, generation_config.json, model.safetensors} into out_dir."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / "config.json", GEMMA4_RELEASE_CONFIG)
-    _write_json(out / "generation_config.json", GEMMA4_GENERATION_CONFIG)
-    tensors = gemma4_release_tensors()
-    save_file({k: np.ascontiguousarray(tensors[k]) for k in sorted(tensors)},
-              str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+    return write_checkpoint(out_dir, GEMMA4_RELEASE_CONFIG, gemma4_release_tensors(), GEMMA4_GENERATION_CONFIG)
 
 
 def main(argv: list[str] | None = None) -> None:
