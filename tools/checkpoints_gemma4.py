@@ -186,8 +186,8 @@ GEMMA4_RELEASE_CONFIG = {
 def _per_layer_overrides(c: dict) -> dict[str, dict]:
     """A text config's per-layer head shapes: its per_layer_config, or the release's global_* keys on full layers
     (num_global_key_value_heads only with attention_k_eq_v, as transformers resolves them)."""
-    if "per_layer_config" in c:
-        return c["per_layer_config"]
+    if "per_layer_config" in c:  # keys as saved, zero-padded past 10 layers ("05")
+        return {str(int(i)): o for i, o in c["per_layer_config"].items()}
     over = {"head_dim": c["global_head_dim"]}
     if c["attention_k_eq_v"] and c.get("num_global_key_value_heads") is not None:
         over["num_key_value_heads"] = c["num_global_key_value_heads"]

@@ -8,6 +8,10 @@ file is written deterministically (sorted json keys, tensors in sorted-name orde
 `python tools/make_checkpoints.py --release llama-3.2-1b --out DIR [--layers N]` writes instead a random-weight
 checkpoint with that release's exact config.json, sharded (2 GB shards + index json) in bf16, as published:
 the recorder and grader then run at the real shapes (`checkpoint=DIR`).
+
+`python tools/make_checkpoints.py --scale small --family F|all [--out DIR] [--dtype float32|bfloat16]` writes the
+~100M-parameter `small` checkpoint of a family (tools/checkpoints_small.py; default DIR
+$T2J_CACHE_DIR/checkpoints/small/<family>, never under assets/; with --family all, DIR/<family>).
 """
 
 from __future__ import annotations
@@ -298,6 +302,15 @@ def make_release(name: str, out_dir, num_hidden_layers: int | None = None, dtype
     return out
 
 
+def _small_module():
+    """tools/checkpoints_small.py (loaded by path, on use)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("checkpoints_small", Path(__file__).with_name("checkpoints_small.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
@@ -307,14 +320,29 @@ def main(argv: list[str] | None = None) -> None:
                     "release's exact config, sharded, into --out (gigabytes: never under assets/)")
     ap.add_argument("--out", type=Path, help="output directory of --release")
     ap.add_argument("--layers", type=int, help="--release with fewer decoder layers (same widths and vocabulary)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="stored dtype (--release: bfloat16 by default, "
+                    "--scale small: float32)")
     ap.add_argument("--max-shard-bytes", type=int, default=MAX_SHARD_BYTES)
+    ap.add_argument("--scale", choices=["tiny", "small"], default="tiny", help="small: the ~100M-parameter "
+                    "checkpoint of --family (tools/checkpoints_small.py) into --out (default: the cache directory)")
+    ap.add_argument("--family", help="--scale small: a family (llama3, llama3-reward, gemma4, ...) or `all`")
     args = ap.parse_args(argv if argv is not None else sys.argv[1:])
     if args.release:
         if args.out is None:
             ap.error("--release needs --out")
-        out = make_release(args.release, args.out, args.layers, args.dtype, args.max_shard_bytes)
+        out = make_release(args.release, args.out, args.layers, args.dtype or "bfloat16", args.max_shard_bytes)
         print(f"wrote {out}")
+        return
+    if args.scale == "small":
+        small = _small_module()
+        if not args.family or (args.family != "all" and args.family not in small.SMALL_FAMILIES):
+            ap.error(f"--scale small needs --family, one of all, {', '.join(small.SMALL_FAMILIES)}")
+        families = small.SMALL_FAMILIES if args.family == "all" else (args.family,)
+        for family in families:
+            out = small.small_checkpoint_dir(family) if args.out is None else (
+                args.out / family if args.family == "all" else args.out)
+            small.write_atomic(family, out, args.dtype or "float32", replace=True)
+            print(f"wrote {out} ({small.param_count(family) / 1e6:.1f}M parameters)")
         return
     for family in args.families or sorted(BUILDERS):
         out = BUILDERS[family](ASSETS / family)
