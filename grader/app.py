@@ -112,7 +112,8 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
           spec_timeout: float = 120.0, numeric_timeout: float = 300.0,
           quiet: bool = False, levels: tuple[str, ...] | None = None, check_timeout_s: float | None = None,
           only_checks: tuple[str, ...] | None = None, trusted: bool = False, compile_cache: Path | None = None,
-          coverage: bool = False, measure_compile: bool = False) -> dict:
+          coverage: bool = False, measure_compile: bool = False,
+          groups: tuple[tuple[str, ...], ...] | None = None) -> dict:
     """Grade `candidate` on the task whose composed config is `cfg` (recorder or grader config).
 
     `levels` restricts the run to some levels (L0's torch_free gate always runs); the reward then
@@ -125,8 +126,11 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
     SandboxUnavailable before anything runs, unless `trusted` (the oracles on such a machine: the
     Python-level fence alone). `compile_cache` is the sweep's shared JAX cache (trusted mutants only).
     `coverage`: every child runs under branch coverage of the candidate's packages; the report's "coverage"
-    holds the executed lines and arcs over all children (grader/coverage.py reads it). `measure_compile`
+    holds the executed lines and arcs over all children (grader/coverage.py reads it), its "coverage_by_group"
+    those of each level group's child ("L1": ...; the sweep's impact analysis, grader/impact.py). `measure_compile`
     (calibration of the repo's own oracle only): the report's "compile_seconds" per timed level.
+    `groups` (the sweep's trusted mutants only) runs other groups of levels per child than LEVEL_GROUPS;
+    a timed level (L5, L6) always has a child of its own.
     """
     if not trusted:
         sandbox.ensure_sandbox()  # refuse up front, never fall back silently
@@ -167,7 +171,10 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
     adapter, adapter_error = None, f"{heldout.ADAPTER_KEY} did not run"
     details = {}
     executed = {} if coverage else None
-    for group in LEVEL_GROUPS[task_class(cfg)]:
+    executed_by_group = {} if coverage else None  # group name ("L1") -> that child's executed lines
+    if groups is not None and any(len(g) > 1 and set(g) & set(TIMED_LEVELS) for g in groups):
+        raise ValueError(f"a timed level runs in a child of its own: {groups}")
+    for group in groups if groups is not None else LEVEL_GROUPS[task_class(cfg)]:
         specs = [s for s in selected if s.level in group]
         run = specs + [s for s in all_specs if wants_adapter and s.key == heldout.ADAPTER_KEY
                        and s.level in group and s not in specs]
@@ -193,9 +200,13 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
         produced, errors, seconds = {}, {}, {}
         if run:
             group_budget = budgets[group[0]][0] if group[0] in TIMED_LEVELS else None
+            group_executed = {} if coverage else None
             produced, errors, seconds = _run_group(candidate, cfg, references, run, inputs, group_budget, timeout,
-                                                   check_timeout_s, trusted, compile_cache, executed,
+                                                   check_timeout_s, trusted, compile_cache, group_executed,
                                                    compile_seconds)
+            if coverage:
+                merge_coverage(executed, group_executed)
+                executed_by_group["+".join(group)] = group_executed
         errors = {**early, **errors}
         if any(s.key == heldout.ADAPTER_KEY for s in run):
             adapter, adapter_error = produced.get(heldout.ADAPTER_KEY), errors.get(heldout.ADAPTER_KEY, "no output")
@@ -210,7 +221,7 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
             results.append(check)
     return _finish(task, candidate, results, ref, report_dir, stale, quiet, series, trusted=trusted,
                    details=details, executed=executed, budgets={lv: b[1] for lv, b in budgets.items()},
-                   compile_seconds=compile_seconds)
+                   compile_seconds=compile_seconds, executed_by_group=executed_by_group)
 
 
 def _series(key, reference: dict, produced: dict) -> dict:
@@ -284,7 +295,8 @@ def cfg_class(cfg) -> str:
 
 
 def _finish(task, candidate, results, ref, report_dir, stale, quiet, series, gated=None,
-            trusted=False, details=None, executed=None, budgets=None, compile_seconds=None) -> dict:
+            trusted=False, details=None, executed=None, budgets=None, compile_seconds=None,
+            executed_by_group=None) -> dict:
     r = 0.0 if gated else compute_reward(results)
     levels = -1 if gated else earned_levels(results)
     digits = [c.digits for c in results if c.digits is not None]
@@ -299,8 +311,9 @@ def _finish(task, candidate, results, ref, report_dir, stale, quiet, series, gat
     if compile_seconds is not None:
         report["compile_seconds"] = compile_seconds
     if executed is not None:
-        report["coverage"] = {rel: {"lines": sorted(e["lines"]), "arcs": sorted(e["arcs"])}
-                              for rel, e in sorted(executed.items())}
+        report["coverage"] = _coverage_json(executed)
+    if executed_by_group is not None:  # each level group's child on its own (the sweep's impact analysis)
+        report["coverage_by_group"] = {g: _coverage_json(e) for g, e in executed_by_group.items()}
     report_dir.mkdir(parents=True, exist_ok=True)
     (report_dir / f"{task}.json").write_text(json.dumps(report, indent=2, default=float))
     if not quiet:
@@ -318,6 +331,10 @@ def _finish(task, candidate, results, ref, report_dir, stale, quiet, series, gat
                 console.print(f"{key}: grader-computed {figures}; logits {len(d['logits_shapes'])} arrays, "
                               f"first {d['logits_shapes'][0]}")
     return report
+
+
+def _coverage_json(executed: dict) -> dict:
+    return {rel: {"lines": sorted(e["lines"]), "arcs": sorted(e["arcs"])} for rel, e in sorted(executed.items())}
 
 
 def _fig(x: float | None, fmt: str) -> str:

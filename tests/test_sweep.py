@@ -155,3 +155,129 @@ def test_order_and_eos_defects_are_caught_at_l1(tmp_path, task, did, check):
     (rec,) = result["defects"]
     assert rec["caught"] and check in rec["tripped"], rec
     assert rec["scores"][check] < 0.99
+
+
+# ---- impact analysis and the multirun (issue 14) -------------------------------------------------
+
+from grader import impact as impact_mod  # noqa: E402
+
+
+def _fake_base(coverage: dict, groups=("L0", "L1", "L2"), ok=None) -> dict:
+    """A clean baseline as task_baseline writes it, without grading anything: every check scores 1."""
+    def check(level, name, aspect="numeric"):
+        return {"level": level, "name": name, "aspect": aspect, "measure": "pass" if aspect == "spec" else "max_ulp",
+                "score": 1.0, "reason": None, "seconds": 0.0, "bar": None, "max_abs_diff": None, "rel_l2": None,
+                "digits": None}
+    clean = [check("L0", "torch_free", "spec"), check("L0", "param_tree", "spec")] + [
+        check(g, f"c{i}") for g in groups if g != "L0" for i in range(2)]
+    return {"key": "k", "groups": {g: [g] for g in groups}, "depends": {}, "coverage": coverage,
+            "coverage_ok": ok or {g: True for g in groups}, "clean": clean, "rerun": clean,
+            "clean_reward": 1.0, "clean_rerun_reward": 1.0, "clean_earned_levels": len(groups) - 1, "impact": "line"}
+
+
+def _graded_at(monkeypatch, defect, base, workdir):
+    """grade_mutant with the grading faked: -> (the levels it asked to grade, the record)."""
+    asked = []
+
+    def fake_grade(cfg, candidate, report_dir, levels, compile_cache=None, **kw):
+        asked.append(tuple(levels))
+        checks = [dict(c, score=0.5 if c["level"] in levels else c["score"]) for c in base["clean"]
+                  if c["level"] in levels or c["name"] == "torch_free"]
+        return {"checks": checks, "reward": 0.0, "earned_levels": 0, "gated": None}
+
+    monkeypatch.setattr(sweep, "_grade", fake_grade)
+    graded = sweep.grade_mutant(defect, None, base, workdir, impact="line")
+    noise = {f'{c["level"]}/{c["name"]}': 1e-6 for c in base["clean"]}
+    return asked[0], sweep.defect_record(defect, graded, base, noise, lambda k: k)
+
+
+def test_impact_skips_a_file_no_group_executes_with_a_reason(monkeypatch, tmp_path):
+    d = DEFECTS["train-labels-not-shifted"]
+    cov = {"L0": {"conversion/llama3.py": {"lines": [1, 2]}}, "L1": {}, "L2": {"jax_oracles/models/llama3.py":
+                                                                                {"lines": [1]}}}
+    imp = sweep.impact_of(d, _fake_base(cov))
+    assert not any(imp.graded.values())
+    assert all(f"never imports {d.file}" in why for why in imp.why.values())
+    levels, rec = _graded_at(monkeypatch, d, _fake_base(cov), tmp_path)
+    assert levels == ()  # only the gate runs
+    assert not rec["caught"] and rec["graded_groups"] == [] and "no level group" in rec["not_executed"]
+
+
+def test_a_mutant_is_graded_only_where_its_edit_runs_and_reuses_clean_scores_elsewhere(monkeypatch, tmp_path):
+    d = DEFECTS["train-labels-not-shifted"]
+    old = (ROOT / d.file).read_text()
+    (span,) = impact_mod.edited_spans(old, old.replace(d.old, d.new)).spans
+    cov = {"L0": {}, "L1": {d.file: {"lines": [1, 2, 3]}},  # imports the file, never runs the edited lines
+           "L2": {d.file: {"lines": [1, span[0]]}}}
+    imp = sweep.impact_of(d, _fake_base(cov))
+    assert imp.graded == {"L0": False, "L1": False, "L2": True}
+    assert "never executes lines" in imp.why["L1"] and "executes the edited lines" in imp.why["L2"]
+    levels, rec = _graded_at(monkeypatch, d, _fake_base(cov), tmp_path)
+    assert levels == ("L2",)
+    assert rec["graded_groups"] == ["L2"] and rec["reused_checks"] == 3  # L0/param_tree, L1/c0, L1/c1
+    assert rec["tripped"] == ["L2/c0", "L2/c1"] and rec["caught"]
+    # a group without trustworthy coverage is graded; so is a group that consumes a graded one's outputs
+    base = _fake_base(cov, ok={"L0": False, "L1": True, "L2": True})
+    base["depends"] = {"L1": ["L2"]}
+    imp = sweep.impact_of(d, base)
+    assert imp.graded == {"L0": True, "L1": True, "L2": True}
+    assert sweep.impact_of(d, _fake_base(cov), impact="file").graded == {"L0": False, "L1": True, "L2": True}
+
+
+def test_line_level_impact_falls_back_to_the_file_where_it_cannot_be_shown_sound():
+    src = ("X = 1\n\ndef f(a, b=2):\n    \"\"\"doc\"\"\"\n    if a:\n        y = a + 1\n    else:\n        y = X\n"
+           "    return y\n")
+    spans = lambda old, new: impact_mod.edited_spans(src, src.replace(old, new, 1))  # noqa: E731
+    assert spans("y = a + 1", "y = a + 2").spans == ((6, 6),)   # a body line: runs when f runs that branch
+    assert spans("b=2", "b=3").spans == ((3, 9),)               # the def statement: runs at import
+    assert "binding of X" in spans("y = X", "y = X\n        X = 0").file_level  # X becomes local in all of f
+    assert "co_flags" in spans("return y", "yield y").file_level            # f becomes a generator
+    assert "no bytecode" in spans('"""doc"""', '"""dox"""').file_level      # a docstring leaves no line event
+
+
+def test_every_catalog_edit_has_an_impact_anchor_or_a_file_level_reason():
+    for d in CATALOG.defects:
+        old = (ROOT / d.file).read_text()
+        a = impact_mod.edited_spans(old, old.replace(d.old, d.new))
+        assert bool(a.spans) != bool(a.file_level), d.id
+        assert all(1 <= x <= y <= old.count("\n") + 1 for x, y in a.spans), d.id
+
+
+def test_no_candidate_module_is_imported_before_the_child_starts_coverage():
+    # Coverage starts in run_probes; a candidate module imported before it would run its top level untraced.
+    import ast as ast_
+    for path in [*(ROOT / "grader" / "probes").glob("*.py"), *(ROOT / "grader").glob("*.py")]:
+        tree = ast_.parse(path.read_text())
+        for node in tree.body:
+            names = ([a.name for a in node.names] if isinstance(node, ast_.Import) else
+                     [node.module or ""] if isinstance(node, ast_.ImportFrom) else [])
+            assert not any(n.split(".")[0] in impact_mod.CANDIDATE_ROOTS for n in names), (path, names)
+
+
+def test_the_multirun_entry_parses_and_registers_every_defect(tmp_path):
+    from hydra.core.config_store import ConfigStore
+    assert sweep._hydra_mode(["-m", "task=llama3-sft", "defect=glob(*)"]) and sweep._hydra_mode(["aggregate=true"])
+    assert not sweep._hydra_mode(["task=llama3-sft", "defects=a,b"]) and not sweep._hydra_mode(["--all"])
+    sweep._register_defects()
+    options = {n[:-len(".yaml")] for n in ConfigStore.instance().list("defect")}
+    assert options == set(DEFECTS)
+    # a pair whose defect does not apply is recorded as such, without grading anything
+    rec = sweep.run_job("llama3-sft", "serve-free-head-first", tmp_path, tmp_path / "cache")
+    assert rec is None
+    (path,) = (tmp_path / "cache" / "llama3-sft").glob("*/records/serve-free-head-first.json")
+    assert json.loads(path.read_text()) == {"id": "serve-free-head-first", "applicable": False}
+    with pytest.raises(SystemExit, match="no baseline"):
+        sweep.aggregate(["llama3-sft"], tmp_path, tmp_path / "cache")
+
+
+@pytest.mark.sandbox
+def test_an_executed_edit_is_graded_and_caught_and_an_unexecuted_one_reuses_the_clean_scores(tmp_path):
+    # L1 only: three clean L1 gradings (two for the noise, one under coverage), then each mutant's L1 child
+    # only where L1 runs its edit. The template's eos edit runs at L1 (collate); the loss shift never does.
+    picked = [DEFECTS["train-template-eos-not-replaced"], DEFECTS["train-labels-not-shifted"]]
+    result = sweep.sweep_task("llama3-sft", picked, tmp_path, progress=lambda msg: None, levels=("L1",))
+    eos, labels = result["defects"]
+    assert eos["graded_groups"] == ["L1"] and eos["caught"] and "L1/collate" in eos["tripped"], eos
+    assert labels["graded_groups"] == [] and not labels["caught"] and labels["reused_checks"] > 0, labels
+    assert "never executes lines" in labels["impact"]["L1"] or "never imports" in labels["impact"]["L1"]
+    assert "not_executed" in labels
