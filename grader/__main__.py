@@ -23,6 +23,8 @@ def main(cfg: DictConfig) -> None:
     if not candidate.is_dir():
         print(f"candidate {candidate} is not a directory", file=sys.stderr)
         sys.exit(2)
+    from recorder.scale import ensure_scale_checkpoints
+    ensure_scale_checkpoints(cfg)  # scale=small: its checkpoints, written on first use (configs/scale/)
     try:
         report = grade(cfg, candidate, ROOT / cfg.references, ROOT / cfg.report_dir,
                        budget=BudgetPolicy.from_cfg(cfg.budget),

@@ -21,6 +21,7 @@ from rich.markup import escape
 from grader.h5schema import SCHEMA_VERSION, write_reference
 from recorder.provenance import (ROOT, checkpoint_dir, checkpoint_label, provenance, recorded_checkpoint,
                                   stale_reasons)
+from recorder.scale import ensure_scale_checkpoints, scale_name
 
 console = Console(stderr=True)
 CONFIG_DIR = ROOT / "configs"
@@ -78,6 +79,7 @@ def record(cfg: DictConfig) -> Path:
         raise RuntimeError(f"cannot create output directory {out_dir}: {e}") from e
     if not os.access(out_dir, os.W_OK):
         raise RuntimeError(f"output directory {out_dir} is not writable")
+    ensure_scale_checkpoints(cfg, log=console.print)  # scale=small: its checkpoints, written on first use
     ckpt = checkpoint_dir(cfg)
     if not (ckpt / "config.json").is_file():
         raise FileNotFoundError(f"checkpoint {ckpt} has no config.json (run `make assets` to build the tiny ones)")
@@ -113,6 +115,8 @@ def record(cfg: DictConfig) -> Path:
     }
     if cfg.get("levels"):
         attrs["recorded_levels"] = list(cfg.levels)
+    if scale_name(cfg) != "tiny":  # configs/scale/; absent: tiny (references from before scales say nothing)
+        attrs["scale"] = scale_name(cfg)
     path = out_dir / f"{name}.h5"
     write_reference(path, attrs, checks, band)
     console.print(f"[green]wrote[/] {path} ({len(checks)} checks, recorded in "
@@ -184,6 +188,17 @@ def _save_coverage(cov, task: str) -> None:
     console.print(f"coverage of torch_sources: {dest}")
 
 
+def recorded_scale(h5_path: Path) -> str:
+    """The scale a reference was recorded at (its `scale` attr; absent: tiny)."""
+    import h5py
+    try:
+        with h5py.File(h5_path, "r") as f:
+            v = f.attrs.get("scale")
+    except OSError:
+        return "tiny"
+    return "tiny" if v is None else (v.decode() if isinstance(v, bytes) else str(v))
+
+
 def list_stale(out_dir: Path) -> int:
     n = 0
     for h5 in sorted(out_dir.glob("*.h5")):
@@ -192,7 +207,8 @@ def list_stale(out_dir: Path) -> int:
             print(f"{task}: stale (no task config named {task!r})")
             n += 1
             continue
-        cfg = compose_task(task)
+        scale = recorded_scale(h5)
+        cfg = compose_task(task, [f"scale={scale}"] if scale != "tiny" else [])
         recorded = recorded_checkpoint(h5)
         if recorded is not None:  # a release given as checkpoint=PATH: check it against that directory
             cfg.checkpoint = recorded
