@@ -113,7 +113,7 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
           quiet: bool = False, levels: tuple[str, ...] | None = None, check_timeout_s: float | None = None,
           only_checks: tuple[str, ...] | None = None, trusted: bool = False, compile_cache: Path | None = None,
           coverage: bool = False, measure_compile: bool = False,
-          groups: tuple[tuple[str, ...], ...] | None = None) -> dict:
+          groups: tuple[tuple[str, ...], ...] | None = None, forkserver=None) -> dict:
     """Grade `candidate` on the task whose composed config is `cfg` (recorder or grader config).
 
     `levels` restricts the run to some levels (L0's torch_free gate always runs); the reward then
@@ -130,7 +130,8 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
     those of each level group's child ("L1": ...; the sweep's impact analysis, grader/impact.py). `measure_compile`
     (calibration of the repo's own oracle only): the report's "compile_seconds" per timed level.
     `groups` (the sweep's trusted mutants only) runs other groups of levels per child than LEVEL_GROUPS;
-    a timed level (L5, L6) always has a child of its own.
+    a timed level (L5, L6) always has a child of its own. `forkserver` (grader/forkserver.py; with trusted
+    only, the sweep's own mutants) forks each child from an interpreter that has imported jax already.
     """
     if not trusted:
         sandbox.ensure_sandbox()  # refuse up front, never fall back silently
@@ -203,7 +204,7 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
             group_executed = {} if coverage else None
             produced, errors, seconds = _run_group(candidate, cfg, references, run, inputs, group_budget, timeout,
                                                    check_timeout_s, trusted, compile_cache, group_executed,
-                                                   compile_seconds)
+                                                   compile_seconds, forkserver)
             if coverage:
                 merge_coverage(executed, group_executed)
                 executed_by_group["+".join(group)] = group_executed
@@ -235,7 +236,8 @@ def _series(key, reference: dict, produced: dict) -> dict:
 
 
 def _run_group(candidate, cfg, ref_dir, specs, inputs, budget, timeout, check_timeout_s=None, trusted=False,
-               compile_cache=None, executed: dict | None = None, compile_seconds: dict | None = None):
+               compile_cache=None, executed: dict | None = None, compile_seconds: dict | None = None,
+               forkserver=None):
     """One sealed child on `inputs` (check key -> {name: array}); -> (outputs, errors, seconds) per check.
     `budget`: the timed level's seconds (None below L5). With `executed` (a dict), the child runs under
     coverage and its executed lines are merged into it; with `compile_seconds`, its JAX compile seconds are
@@ -260,7 +262,8 @@ def _run_group(candidate, cfg, ref_dir, specs, inputs, budget, timeout, check_ti
         write_arrays(inputs_dir / "inputs.h5", inputs, attrs={"meta": meta})
         started = time.perf_counter()
         res = gate.run_sandboxed(candidate, f"grader.probes.{cfg_class(cfg)}:main", inputs_dir, out_dir, timeout,
-                                 deny_read=(ref_dir,), trusted=trusted, compile_cache=compile_cache)
+                                 deny_read=(ref_dir,), trusted=trusted, compile_cache=compile_cache,
+                                 forkserver=forkserver)
         elapsed = time.perf_counter() - started
         if not res.ok or res.outputs is None:
             reason = res.reason or "no outputs written"

@@ -466,7 +466,8 @@ def _trusted_command(root, entry, inputs_dir, inputs_name, outputs_dir, outputs_
 def run_sandboxed(candidate_root: str | Path, entry: str, inputs_dir: str | Path, outputs_dir: str | Path,
                   timeout_s: float, *, inputs_name: str = "inputs.h5", outputs_name: str = "outputs.npz",
                   include: tuple[str, ...] = (), jax_platforms: str | None = "cpu", trusted: bool = False,
-                  deny_read: tuple[str | Path, ...] = (), compile_cache: str | Path | None = None) -> SandboxResult:
+                  deny_read: tuple[str | Path, ...] = (), compile_cache: str | Path | None = None,
+                  forkserver=None) -> SandboxResult:
     """Run `entry(inputs_path, outputs_path)` ("module:function") of a copy of the candidate.
 
     Sealed (the default): the verifier interpreter inside bubblewrap (grader/sandbox.py), seeing
@@ -485,8 +486,12 @@ def run_sandboxed(candidate_root: str | Path, entry: str, inputs_dir: str | Path
     exits 0 without writing its file fails with reason "no output". `result.outputs` is that file,
     to be read only with grader.exchange.read_outputs (or as untrusted data otherwise).
     `compile_cache` shares one writable JAX compilation cache between children: a channel from one
-    child to the next, so only for the sweep's own mutants, never for a candidate.
+    child to the next, so only for the sweep's own mutants, never for a candidate. `forkserver`
+    (grader/forkserver.py, trusted only: the sweep's own mutants) forks the child from a server that has
+    imported jax already instead of starting an interpreter; the child is otherwise the trusted one.
     """
+    if forkserver is not None and not trusted:
+        raise ValueError("a fork server runs trusted code only (the sweep's own mutants), never a candidate")
     root = Path(candidate_root).resolve()
     inputs_dir, outputs_dir = Path(inputs_dir).resolve(), Path(outputs_dir).resolve()
     if "references" in inputs_dir.parts:
@@ -506,26 +511,52 @@ def run_sandboxed(candidate_root: str | Path, entry: str, inputs_dir: str | Path
             cmd, env, cwd, pass_fds = _sealed_command(*args, cache, tmp)
         out_log, err_log = tmp / "stdout.log", tmp / "stderr.log"
         start = time.perf_counter()
-        with open(out_log, "wb") as out, open(err_log, "wb") as err:
-            # own session: on timeout the whole group goes, including anything the entry spawned
-            try:
-                proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                                        stdout=out, stderr=err, start_new_session=True, pass_fds=pass_fds)
-            finally:
-                for fd in pass_fds:
-                    os.close(fd)
-            try:
-                returncode = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:  # it finished in the meantime
-                    pass
-                returncode = None
-                proc.wait()
+        if forkserver is not None:
+            boot, grader_parent, copy = staged
+            returncode = forkserver.run(path=[str(boot), str(grader_parent), str(copy)], cwd=str(copy), env=env,
+                                        entry=entry, inputs=str(inputs_dir / inputs_name),
+                                        outputs=str(outputs_dir / outputs_name), stdout=str(out_log),
+                                        stderr=str(err_log), timeout_s=timeout_s)
+        else:
+            returncode = _popen_wait(cmd, cwd, env, pass_fds, out_log, err_log, timeout_s)
         seconds = time.perf_counter() - start
         stdout, stderr = _read_end(out_log), _read_end(err_log)
-    produced = outputs_dir / outputs_name
+    return _result(returncode, stdout, stderr, seconds, outputs_dir / outputs_name)
+
+
+def fork_server_env(compile_cache: str | Path | None = None, jax_platforms: str = "cpu") -> dict[str, str]:
+    """The environment of a fork server (grader/forkserver.py): the guard's settings as a trusted child has
+    them (the repo hidden, its references/ refused) and what JAX reads from the environment at import."""
+    env = _clean_env({_guard.ENV_FORBIDDEN: ",".join(FORBIDDEN), _guard.ENV_HIDE: str(_REPO_ROOT),
+                      _guard.ENV_DENY: str((_REPO_ROOT / "references").resolve()), "JAX_PLATFORMS": jax_platforms})
+    if compile_cache is not None:
+        env.update(_CACHE_VARS, JAX_COMPILATION_CACHE_DIR=str(Path(compile_cache).resolve()))
+    return env
+
+
+def _popen_wait(cmd, cwd, env, pass_fds, out_log, err_log, timeout_s) -> int | None:
+    """Popen the child in its own session; -> its exit code, or None past timeout_s (its group killed)."""
+    with open(out_log, "wb") as out, open(err_log, "wb") as err:
+        # own session: on timeout the whole group goes, including anything the entry spawned
+        try:
+            proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=err, start_new_session=True, pass_fds=pass_fds)
+        finally:
+            for fd in pass_fds:
+                os.close(fd)
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it finished in the meantime
+                pass
+            returncode = None
+            proc.wait()
+    return returncode
+
+
+def _result(returncode, stdout, stderr, seconds, produced) -> SandboxResult:
     if returncode is None:
         reason = "timeout"
     elif returncode != 0:

@@ -329,6 +329,43 @@ def impact_of(defect: Defect, base: dict, impact: str = "line", source: Path = R
 
 TIMED = ("L5", "L6")
 MERGE = True  # the default of `merge` (sweep_task, the CLI, configs/sweep.yaml)
+FORK = True   # the default of `fork`: a mutant's children are forks of a server that has imported jax
+
+
+@contextmanager
+def fork_server(compile_cache: Path | None, enabled: bool = True):
+    """A grader/forkserver.py server for this sweep's mutants (None when disabled or where it cannot fork)."""
+    if not enabled:
+        yield None
+        return
+    from grader.forkserver import ForkServer
+    from grader.gate import fork_server_env
+    try:
+        server = ForkServer(fork_server_env(compile_cache))
+    except (RuntimeError, OSError) as e:
+        _say(f"no fork server ({e}): sealed children")
+        yield None
+        return
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+_SERVERS: dict[str, object] = {}
+
+
+def _job_fork_server(compile_cache: Path, enabled: bool):
+    """A multirun worker's fork server, kept for the worker's next jobs (closed at exit)."""
+    if not enabled:
+        return None
+    key = str(compile_cache)
+    if key not in _SERVERS:
+        import atexit
+        ctx = fork_server(compile_cache)
+        _SERVERS[key] = ctx.__enter__()
+        atexit.register(ctx.__exit__, None, None, None)
+    return _SERVERS[key]
 # reasons grade() gives every check of a child that did not finish (grader/gate.py, grader/app.py)
 _CHILD_FAILURES = ("timeout", "torch import", "network access", "reads references/", "no output", "no outputs written")
 
@@ -345,11 +382,12 @@ def _child_failed(report: dict) -> bool:
 
 
 def grade_mutant(defect: Defect, cfg, base: dict, workdir: Path, levels=None, compile_cache: Path | None = None,
-                 impact: str = "line", merge: bool = False) -> dict:
+                 impact: str = "line", merge: bool = False, forkserver=None) -> dict:
     """Grade one mutant at the level groups that can execute its edit; the others keep the clean scores
     (marked reused). The gate (L0/torch_free) runs whatever the impact. -> the per-defect record.
     `merge`: the graded untimed levels run in one sandboxed child instead of one each (a child that does not
-    finish is graded again group by group)."""
+    finish is graded again group by group). `forkserver` (grader/forkserver.py): the mutant's children are
+    trusted forks of an interpreter that has imported jax (the repo's own mutants only), else sealed children."""
     from grader.lattice import Check, earned_levels
     from grader.reward import reward as compute_reward
 
@@ -359,11 +397,13 @@ def grade_mutant(defect: Defect, cfg, base: dict, workdir: Path, levels=None, co
                           if levels is None or lv in levels)
     mutant = make_mutant(defect, Path(workdir) / f"mutant-{defect.id}")
     merged_child = merge and len([lv for lv in graded_levels if lv not in TIMED]) > 1
+    fork = {"trusted": True, "forkserver": forkserver} if forkserver is not None else {}
     try:
         report = _grade(cfg, mutant, Path(workdir) / f"reports-{defect.id}", graded_levels, compile_cache,
-                        **({"groups": _merged_groups(graded_levels)} if merged_child else {}))
+                        **({"groups": _merged_groups(graded_levels)} if merged_child else {}), **fork)
         if merged_child and _child_failed(report):  # a crash or hang costs the merged child: grade group by group
-            report = _grade(cfg, mutant, Path(workdir) / f"reports-{defect.id}-groups", graded_levels, compile_cache)
+            report = _grade(cfg, mutant, Path(workdir) / f"reports-{defect.id}-groups", graded_levels, compile_cache,
+                            **fork)
     finally:
         shutil.rmtree(mutant, ignore_errors=True)
     clean = {f'{c["level"]}/{c["name"]}': c for c in base["clean"]}
@@ -451,7 +491,7 @@ def assemble(task: str, task_class: str, base: dict, records: list[dict], levels
 
 def sweep_task(task: str, defects, workdir: Path, progress=_say, levels: tuple[str, ...] | None = None,
                jobs: int = 1, compile_cache: Path | None = None, impact: str = "line",
-               cache_dir: Path | None = None, refresh: bool = False, merge: bool = MERGE) -> dict:
+               cache_dir: Path | None = None, refresh: bool = False, merge: bool = MERGE, fork: bool = FORK) -> dict:
     """Grade the clean oracle and every applicable defect of `defects` on `task` -> the sweep result
     (what write_reports renders). Mutants are built under workdir and removed after. `levels` restricts
     every grade to those levels (quick runs and tests; L0/torch_free always runs); None = all levels.
@@ -459,7 +499,8 @@ def sweep_task(task: str, defects, workdir: Path, progress=_say, levels: tuple[s
     `impact` (line | file | off): grade each mutant only at the level groups whose clean child executes the
     edited lines (or file), reusing the clean scores elsewhere (grader/impact.py). The clean baseline is kept
     in `cache_dir` (default workdir/baseline-cache) under a key of everything it depends on. `merge`: a mutant's
-    graded untimed levels share one sandboxed child (grade_mutant)."""
+    graded untimed levels share one sandboxed child (grade_mutant); `fork`: the mutants' children are forks of
+    a fork server (grader/forkserver.py; the clean baseline is graded in sealed children)."""
     from grader.h5schema import read_reference
     from recorder.app import compose_task
 
@@ -483,12 +524,12 @@ def sweep_task(task: str, defects, workdir: Path, progress=_say, levels: tuple[s
                                              if impact != "off" and not all(base["coverage_ok"].values()) else ""))
 
     def grade_defect(d: Defect) -> dict:
-        graded = grade_mutant(d, cfg, base, workdir, levels, compile_cache, impact, merge)
+        graded = grade_mutant(d, cfg, base, workdir, levels, compile_cache, impact, merge, server)
         return defect_record(d, graded, base, noise, order, levels)
 
     # Each grade is a chain of sandboxed child processes: threads are enough to keep `jobs` of them busy.
     records: dict[str, dict] = {}
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+    with fork_server(compile_cache, fork and bool(todo)) as server, ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = {pool.submit(grade_defect, d): d for d in todo}
         for done in as_completed(futures):
             rec = done.result()
@@ -620,7 +661,7 @@ def shared_compile_cache():
 
 
 def _run(task: str, catalog: Catalog, ids, limit, out_dir: Path, levels=None, jobs: int = 1, impact: str = "line",
-         cache_dir: Path | None = None, refresh: bool = False, merge: bool = MERGE) -> dict:
+         cache_dir: Path | None = None, refresh: bool = False, merge: bool = MERGE, fork: bool = FORK) -> dict:
     defects = _select(catalog, ids)
     if limit is not None:  # the first `limit` of those that apply to this task
         from recorder.app import compose_task
@@ -628,7 +669,7 @@ def _run(task: str, catalog: Catalog, ids, limit, out_dir: Path, levels=None, jo
     cache_dir = Path(cache_dir) if cache_dir else Path(out_dir) / ".cache"
     with tempfile.TemporaryDirectory(prefix=f"t2j-sweep-{task}-") as tmp, shared_compile_cache() as cache:
         result = sweep_task(task, defects, Path(tmp), levels=levels, jobs=jobs, compile_cache=cache, impact=impact,
-                            cache_dir=cache_dir, refresh=refresh, merge=merge)
+                            cache_dir=cache_dir, refresh=refresh, merge=merge, fork=fork)
     return _report(result, out_dir, catalog)
 
 
@@ -665,10 +706,11 @@ def _totals(results: list[dict]) -> tuple[int, int, int, int]:
 def main_all(out_dir: Path = ROOT / "reports" / "sweep", ids: list[str] | None = None,
              limit: int | None = None, catalog: Catalog | None = None,
              levels: tuple[str, ...] | None = None, jobs: int = 1, impact: str = "line",
-             cache_dir: Path | None = None, refresh: bool = False, merge: bool = MERGE) -> tuple[int, int, int, int]:
+             cache_dir: Path | None = None, refresh: bool = False, merge: bool = MERGE,
+             fork: bool = FORK) -> tuple[int, int, int, int]:
     """Sweep every recorded task; last printed line `defects_caught=N/M strict_caught=S/M checks_tripped=K/L`."""
     catalog = catalog or load_catalog()
-    return _totals([_run(task, catalog, ids, limit, out_dir, levels, jobs, impact, cache_dir, refresh, merge)
+    return _totals([_run(task, catalog, ids, limit, out_dir, levels, jobs, impact, cache_dir, refresh, merge, fork)
                     for task in recorded_tasks()])
 
 
@@ -680,7 +722,8 @@ def _job_paths(task: str, cfg, levels, impact: str, cache_dir: Path) -> tuple[st
 
 
 def run_job(task: str, defect_id: str, out_dir: Path, cache_dir: Path | None = None, levels=None,
-            impact: str = "line", catalog: Catalog | None = None, merge: bool = MERGE) -> dict | None:
+            impact: str = "line", catalog: Catalog | None = None, merge: bool = MERGE,
+            fork: bool = FORK) -> dict | None:
     """One multirun job: grade one mutant of `task` (its record goes to <cache>/<task>/<key>/records/<id>.json);
     a defect that does not apply to the task is recorded as such and skipped. The task's clean baseline is
     computed by the first job that needs it (under a file lock) and shared through the cache; its heavy
@@ -712,7 +755,8 @@ def run_job(task: str, defect_id: str, out_dir: Path, cache_dir: Path | None = N
         else:
             base = task_baseline(task, cfg, ref, levels, cache_dir, tmp, compile_cache, impact)
         with _cpu_lock(cache_dir, exclusive=False):
-            graded = grade_mutant(defect, cfg, base, tmp, levels, compile_cache, impact, merge)
+            graded = grade_mutant(defect, cfg, base, tmp, levels, compile_cache, impact, merge,
+                                  _job_fork_server(compile_cache, fork))
     rec = defect_record(defect, graded, base, _noises(base, ref), _check_order(_task_key(cfg)[0]), levels)
     rec["applicable"] = True
     out = records / f"{defect_id}.json"
@@ -803,7 +847,7 @@ def hydra_job(cfg) -> None:
     if "task_name" not in cfg or cfg.get("defect") is None:
         raise SystemExit("a sweep job needs task=NAME and defect=ID (or -m ... 'defect=glob(*)'); "
                          "aggregate=true writes the reports")
-    run_job(cfg.task_name, cfg.defect.id, out, cache, levels, cfg.impact, merge=bool(cfg.merge))
+    run_job(cfg.task_name, cfg.defect.id, out, cache, levels, cfg.impact, merge=bool(cfg.merge), fork=bool(cfg.fork))
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -821,6 +865,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="grade a mutant only where its edit is executed: line (default), file, or off (every level)")
     p.add_argument("--merge", default=str(MERGE).lower(),
                    help="true: a mutant's graded untimed levels share one sandboxed child (default %(default)s)")
+    p.add_argument("--fork", default=str(FORK).lower(),
+                   help="true: a mutant's children are forks of a server that imported jax once (default %(default)s)")
     p.add_argument("--cache", help="baseline cache directory (default: <out>/.cache)")
     p.add_argument("--refresh", nargs="?", const="true", default="false",
                    help="recompute the clean baseline even when the cache has one for the current key")
@@ -842,12 +888,12 @@ def main(argv: list[str] | None = None) -> None:
     cache = Path(args.cache) if args.cache else None
     if _true(args.all):
         main_all(out, ids, args.limit, levels=levels, jobs=args.jobs, impact=args.impact, cache_dir=cache,
-                 refresh=_true(args.refresh), merge=_true(args.merge))
+                 refresh=_true(args.refresh), merge=_true(args.merge), fork=_true(args.fork))
     elif args.task:
         if args.task not in recorded_tasks():
             raise SystemExit(f"no reference for task {args.task!r}; recorded: {', '.join(recorded_tasks())}")
         _run(args.task, load_catalog(), ids, args.limit, out, levels, args.jobs, args.impact, cache,
-             _true(args.refresh), _true(args.merge))
+             _true(args.refresh), _true(args.merge), _true(args.fork))
     else:
         raise SystemExit("pass task=NAME or all=true (see python -m grader.sweep --help)")
 

@@ -281,3 +281,48 @@ def test_an_executed_edit_is_graded_and_caught_and_an_unexecuted_one_reuses_the_
     assert labels["graded_groups"] == [] and not labels["caught"] and labels["reused_checks"] > 0, labels
     assert "never executes lines" in labels["impact"]["L1"] or "never imports" in labels["impact"]["L1"]
     assert "not_executed" in labels
+
+
+def _toy_candidate(tmp_path, name, source):
+    import textwrap
+    cand = tmp_path / name
+    (cand / "jax_oracles").mkdir(parents=True)
+    (cand / "jax_oracles" / "__init__.py").write_text("")
+    (cand / "jax_oracles" / "entry.py").write_text(textwrap.dedent(source))
+    inputs, out = tmp_path / f"{name}-in", tmp_path / f"{name}-out"
+    inputs.mkdir()
+    out.mkdir()
+    (inputs / "in.json").write_text("{}")
+    return cand, inputs, out
+
+
+def test_the_fork_server_runs_trusted_children_behind_the_guard_with_timeouts(tmp_path):
+    from grader import gate
+    from grader.forkserver import ForkServer
+    ok = """
+    import json, os, sys
+    def main(inp, out):
+        json.dump({"pid": os.getpid(), "cwd": os.getcwd(), "jax_loaded": "jax" in sys.modules,
+                   "env": os.environ.get("T2J_GATE_FORBIDDEN", "")}, open(out, "w"))
+    """
+    torch = "def main(inp, out):\n    import torch\n"
+    hang = "import time\ndef main(inp, out):\n    time.sleep(60)\n"
+    with ForkServer(gate.fork_server_env()) as server:
+        for i in range(2):  # two children of one server: each its own process, cwd and environment
+            cand, inputs, out = _toy_candidate(tmp_path, f"ok{i}", ok)
+            res = gate.run_sandboxed(cand, "jax_oracles.entry:main", inputs, out, 30.0, inputs_name="in.json",
+                                     outputs_name="out.json", trusted=True, forkserver=server)
+            assert res.ok, (res.reason, res.stderr_tail)
+            got = json.loads((out / "out.json").read_text())
+            assert got["pid"] != server._proc.pid and got["jax_loaded"] and "torch" in got["env"]
+            assert Path(got["cwd"]).name == "candidate"
+        cand, inputs, out = _toy_candidate(tmp_path, "torch", torch)
+        res = gate.run_sandboxed(cand, "jax_oracles.entry:main", inputs, out, 30.0, inputs_name="in.json",
+                                 outputs_name="out.json", trusted=True, forkserver=server)
+        assert not res.ok and res.reason == "torch import"
+        cand, inputs, out = _toy_candidate(tmp_path, "hang", hang)
+        res = gate.run_sandboxed(cand, "jax_oracles.entry:main", inputs, out, 2.0, inputs_name="in.json",
+                                 outputs_name="out.json", trusted=True, forkserver=server)
+        assert not res.ok and res.reason == "timeout" and res.seconds < 20
+        with pytest.raises(ValueError, match="trusted code only"):
+            gate.run_sandboxed(cand, "jax_oracles.entry:main", inputs, tmp_path / "none", 2.0, forkserver=server)
