@@ -24,6 +24,7 @@ their dequantized weights (2 per block byte; scales are not parameters).
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import math
 import os
@@ -128,17 +129,12 @@ def _load(module: str) -> types.ModuleType:
 def tiny_config(family: str) -> dict:
     """The family's tiny config.json dict (a copy)."""
     module, config, *_ = SOURCES[family]
-    return _copy(getattr(_load(module), config))
-
-
-def _copy(d):
-    import copy
-    return copy.deepcopy(d)
+    return copy.deepcopy(getattr(_load(module), config))
 
 
 def small_config(family: str) -> dict:
     """The family's tiny config with the small widths (SMALL_OVERRIDES): a complete config.json dict."""
-    return {**tiny_config(family), **_copy(SMALL_OVERRIDES[family])}
+    return {**tiny_config(family), **copy.deepcopy(SMALL_OVERRIDES[family])}
 
 
 def _width_factor(family: str) -> float:
