@@ -222,9 +222,8 @@ def make_small(family: str, out_dir, dtype: str = "float32", max_shard_bytes: in
     mod = _module(family)
     tools = mod if SOURCES[family][0] == "make_checkpoints" else _load("make_checkpoints")
     config = small_config(family)
-    for key in ("torch_dtype", "dtype"):
-        if key in config:
-            config[key] = dtype
+    keys = [k for k in ("torch_dtype", "dtype") if k in config] or ([] if dtype == "float32" else ["torch_dtype"])
+    config |= {k: dtype for k in keys}  # a config without the key stays without it at float32 (as tiny)
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype]
     stream = ((n, a.astype(np_dtype) if a.dtype.kind == "f" and a.dtype != np_dtype else a)
               for n, a in _stream(mod, family, config))
