@@ -725,7 +725,7 @@ def run_job(task: str, defect_id: str, out_dir: Path, cache_dir: Path | None = N
             impact: str = "line", catalog: Catalog | None = None, merge: bool = MERGE,
             fork: bool = FORK) -> dict | None:
     """One multirun job: grade one mutant of `task` (its record goes to <cache>/<task>/<key>/records/<id>.json);
-    a defect that does not apply to the task is recorded as such and skipped. The task's clean baseline is
+    a defect that does not apply to the task is recorded as such (<cache>/<task>/not-applicable/) and skipped. The task's clean baseline is
     computed by the first job that needs it (under a file lock) and shared through the cache; its heavy
     gradings hold an exclusive CPU lock that every mutant grading holds shared, so no mutant runs beside them."""
     from grader.h5schema import read_reference
@@ -739,11 +739,13 @@ def run_job(task: str, defect_id: str, out_dir: Path, cache_dir: Path | None = N
         raise SystemExit(f"no reference for task {task!r}")
     cache_dir = Path(cache_dir) if cache_dir else Path(out_dir) / ".cache"
     cfg = compose_task(task)
+    if not applicable([defect], cfg):  # recorded without hashing anything: most pairs of a full multirun
+        skipped = cache_dir / task / "not-applicable"
+        skipped.mkdir(parents=True, exist_ok=True)
+        (skipped / f"{defect_id}.json").write_text(json.dumps({"id": defect_id, "applicable": False}))
+        return None
     key, records = _job_paths(task, cfg, levels, impact, cache_dir)
     records.mkdir(parents=True, exist_ok=True)
-    if not applicable([defect], cfg):
-        (records / f"{defect_id}.json").write_text(json.dumps({"id": defect_id, "applicable": False}))
-        return None
     ref = read_reference(ROOT / "references" / f"{task}.h5")
     compile_cache = cache_dir / "xla"  # persistent across jobs: keyed by the programs themselves
     compile_cache.mkdir(parents=True, exist_ok=True)
@@ -842,7 +844,7 @@ def hydra_job(cfg) -> None:
     levels = tuple(cfg.levels) if cfg.levels else None
     if cfg.aggregate:
         task = cfg.get("task_name")
-        aggregate([task] if task else None, out, cache, levels, cfg.impact)
+        aggregate([task] if task else None, out, cache, levels, cfg.impact, list(cfg.defects) if cfg.defects else None)
         return
     if "task_name" not in cfg or cfg.get("defect") is None:
         raise SystemExit("a sweep job needs task=NAME and defect=ID (or -m ... 'defect=glob(*)'); "

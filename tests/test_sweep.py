@@ -264,7 +264,7 @@ def test_the_multirun_entry_parses_and_registers_every_defect(tmp_path):
     # a pair whose defect does not apply is recorded as such, without grading anything
     rec = sweep.run_job("llama3-sft", "serve-free-head-first", tmp_path, tmp_path / "cache")
     assert rec is None
-    (path,) = (tmp_path / "cache" / "llama3-sft").glob("*/records/serve-free-head-first.json")
+    path = tmp_path / "cache" / "llama3-sft" / "not-applicable" / "serve-free-head-first.json"
     assert json.loads(path.read_text()) == {"id": "serve-free-head-first", "applicable": False}
     with pytest.raises(SystemExit, match="no baseline"):
         sweep.aggregate(["llama3-sft"], tmp_path, tmp_path / "cache")
