@@ -377,7 +377,8 @@ def _merged_groups(graded_levels) -> tuple[tuple[str, ...], ...]:
 
 
 def _child_failed(report: dict) -> bool:
-    return any(c.get("reason") and (c["reason"] in _CHILD_FAILURES or c["reason"].startswith(("exit ", "untrusted output")))
+    return any(c.get("reason") and (c["reason"] in _CHILD_FAILURES
+                                    or c["reason"].startswith(("exit ", "untrusted output")))
                for c in report["checks"] if c["level"] not in TIMED)
 
 
@@ -518,10 +519,10 @@ def sweep_task(task: str, defects, workdir: Path, progress=_say, levels: tuple[s
     base = task_baseline(task, cfg, ref, levels, Path(cache_dir or workdir / "baseline-cache"), workdir,
                          compile_cache, impact, progress, refresh)
     noise = _noises(base, ref)
+    untrusted = [g for g, ok in base["coverage_ok"].items() if not ok] if impact != "off" else []
     progress(f"[{task}] clean oracle: reward={base['clean_reward']:.6f}, rerun {base['clean_rerun_reward']:.6f}, "
              f"largest check noise {max(noise.values()):g} ({time.perf_counter() - started:.0f} s); "
-             f"{len(todo)} defects apply" + (f"; coverage untrusted at {', '.join(g for g, ok in base['coverage_ok'].items() if not ok)}"
-                                             if impact != "off" and not all(base["coverage_ok"].values()) else ""))
+             f"{len(todo)} defects apply" + (f"; coverage untrusted at {', '.join(untrusted)}" if untrusted else ""))
 
     def grade_defect(d: Defect) -> dict:
         graded = grade_mutant(d, cfg, base, workdir, levels, compile_cache, impact, merge, server)
@@ -529,7 +530,8 @@ def sweep_task(task: str, defects, workdir: Path, progress=_say, levels: tuple[s
 
     # Each grade is a chain of sandboxed child processes: threads are enough to keep `jobs` of them busy.
     records: dict[str, dict] = {}
-    with fork_server(compile_cache, fork and bool(todo)) as server, ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+    with fork_server(compile_cache, fork and bool(todo)) as server, \
+            ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = {pool.submit(grade_defect, d): d for d in todo}
         for done in as_completed(futures):
             rec = done.result()
@@ -544,7 +546,8 @@ def _progress_line(task: str, i: int, n: int, rec: dict) -> str:
             f"{'caught' if rec['caught'] else 'NOT CAUGHT'}, "
             f"{'strictly' if rec['strict_caught'] else 'NOT STRICTLY'} (L{rec['earned_levels']}), "
             f"{len(rec['tripped'])} checks tripped "
-            f"(levels {','.join(rec['levels_tripped']) or '-'}; graded {','.join(rec['graded_groups']) or 'gate only'}; "
+            f"(levels {','.join(rec['levels_tripped']) or '-'}; "
+            f"graded {','.join(rec['graded_groups']) or 'gate only'}; "
             f"{rec['seconds']:.0f} s)")
 
 
@@ -725,9 +728,10 @@ def run_job(task: str, defect_id: str, out_dir: Path, cache_dir: Path | None = N
             impact: str = "line", catalog: Catalog | None = None, merge: bool = MERGE,
             fork: bool = FORK) -> dict | None:
     """One multirun job: grade one mutant of `task` (its record goes to <cache>/<task>/<key>/records/<id>.json);
-    a defect that does not apply to the task is recorded as such (<cache>/<task>/not-applicable/) and skipped. The task's clean baseline is
-    computed by the first job that needs it (under a file lock) and shared through the cache; its heavy
-    gradings hold an exclusive CPU lock that every mutant grading holds shared, so no mutant runs beside them."""
+    a defect that does not apply to the task is recorded as such (<cache>/<task>/not-applicable/) and skipped.
+    The task's clean baseline is computed by the first job that needs it (under a file lock) and shared through
+    the cache; its gradings hold an exclusive CPU lock that every mutant grading holds shared, so no mutant runs
+    beside them."""
     from grader.h5schema import read_reference
     from recorder.app import compose_task
 
