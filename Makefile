@@ -55,6 +55,10 @@ coverage-torch: venv   ## branch coverage of torch_sources/ while recording ever
 	  $(PY) -m recorder task=$$t coverage=true out_dir=$$(mktemp -d) || exit 1; done
 	$(PY) -m grader.coverage
 
+# Each mutant is graded only at the level groups whose clean child executes its edit (grader/impact.py; the clean
+# baseline is cached in reports/sweep/.cache), its L0-L4 in one child, children forked from a server that imported
+# jax once (grader/forkserver.py). The same as a Hydra multirun: python -m grader.sweep -m 'task=glob(*)' 'defect=glob(*)'
+# hydra/launcher=local (or cluster), then python -m grader.sweep aggregate=true (docs/SWEEP.md, issue 14).
 sweep: venv sandbox   ## seeded-defect sweep of every recorded task (hours on 2 cores); last line defects_caught=N/M strict_caught=S/M checks_tripped=K/L
 	$(PY) -m grader.sweep --all --jobs $(JOBS)
 
