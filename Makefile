@@ -6,6 +6,7 @@ VENV_V := .venv-verifier
 VPY    := $(VENV_V)/bin/python
 VSTAMP := $(VENV_V)/.installed-stamp
 TASK   ?= llama3-sft
+SCALE  ?= tiny
 JOBS   ?= 2
 PYTEST := $(PY) -m pytest -q -p no:randomly
 
@@ -73,13 +74,19 @@ test: venv sandbox    ## the CI suite: fast tests + the static independence cont
 test-full: venv sandbox   ## everything, slow tests included (every recorded task graded)
 	$(PYTEST) -m "not gpu"
 
-bench: venv           ## torch vs JAX, side by side: SFT, DPO and PPO step time; serving decode tokens/s (llama3, gemma4, gpt_oss)
+# SCALE=small: ~100M-parameter llama3 (tools/checkpoints_small.py, written on first use), every workload in its own
+# process: step times, TTFT, decode tokens/s and peak memory per side (bench/bench_scale.py, docs/PERFORMANCE.md)
+bench: venv           ## torch vs JAX, side by side: SFT, DPO and PPO step time; serving decode tokens/s (llama3, gemma4, gpt_oss) [SCALE=small]
+ifeq ($(SCALE),small)
+	$(PY) bench/bench_scale.py --scale small
+else
 	$(PY) bench/bench_sft.py
 	$(PY) bench/bench_dpo.py
 	$(PY) bench/bench_ppo.py
 	$(PY) bench/bench_serving.py --family llama3
 	$(PY) bench/bench_serving.py --family gemma4
 	$(PY) bench/bench_serving.py --family gpt_oss
+endif
 
 assets: venv          ## regenerate the tiny checkpoints, tokenizer and datasets (byte-identical)
 	$(PY) tools/make_tokenizer.py

@@ -234,7 +234,9 @@ def eager_attention(q, k, v, mask, scale: float, bias=None, sinks=None):
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k) * scale
     if bias is not None:
         scores = scores + bias.reshape(B, K, N // K, *bias.shape[2:])
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(scores.dtype).min)
+    # torch's masked_fill(~mask, min) as an added 0 / min: the same scores bit for bit (|score| << ulp(min)) and the
+    # same gradient (masked probabilities are exactly 0), without a where that keeps a full-size mask for backward
+    scores = scores + jnp.where(mask, 0.0, jnp.finfo(scores.dtype).min).astype(scores.dtype)[:, None, None]
     scores = scores.astype(jnp.float32)
     if sinks is None:
         probs = jax.nn.softmax(scores, axis=-1)
