@@ -254,6 +254,18 @@ def test_no_candidate_module_is_imported_before_the_child_starts_coverage():
             assert not any(n.split(".")[0] in impact_mod.CANDIDATE_ROOTS for n in names), (path, names)
 
 
+def test_no_candidate_code_runs_where_the_coverage_tracer_cannot_see_it():
+    # coverage.py traces the child's Python threads; a JAX host callback or a thread started by candidate code
+    # could run oracle lines it never records, and the impact analysis would skip a group that runs an edit.
+    import re
+    pattern = re.compile(r"pure_callback|io_callback|debug\.callback|host_callback|threading|concurrent\.futures|"
+                         r"multiprocessing|os\.fork")
+    files = [p for tree in impact_mod.CANDIDATE_ROOTS for p in sorted((ROOT / tree).rglob("*.py"))]
+    hits = [f"{p.relative_to(ROOT)}:{i}" for p in files
+            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not hits, hits
+
+
 def test_the_multirun_entry_parses_and_registers_every_defect(tmp_path):
     from hydra.core.config_store import ConfigStore
     assert sweep._hydra_mode(["-m", "task=llama3-sft", "defect=glob(*)"]) and sweep._hydra_mode(["aggregate=true"])
