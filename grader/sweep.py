@@ -271,7 +271,8 @@ def task_baseline(task: str, cfg, ref, levels, cache_dir: Path, workdir: Path, c
                   impact: str = "line", progress=_say, refresh: bool = False) -> dict:
     """The clean oracle graded twice (its run-to-run noise) and, unless impact is off, once more under branch
     coverage (which code each level group's child executes): computed once per key (baseline_key) and kept
-    in cache_dir/<task>/<key>/baseline.json; concurrent jobs wait on a file lock while the first computes it."""
+    in cache_dir/<task>/<key>/baseline.json; concurrent jobs wait on a file lock while the first computes it.
+    A clean grading with a timed-out check is graded again once; a baseline still timing out is not cached."""
     key = baseline_key(task, cfg, levels, impact)
     path = Path(cache_dir) / task / key[:16] / "baseline.json"
     with _file_lock(Path(cache_dir) / task / ".lock"):
@@ -281,9 +282,17 @@ def task_baseline(task: str, cfg, ref, levels, cache_dir: Path, workdir: Path, c
                 progress(f"[{task}] clean baseline from the cache ({path.parent.name})")
                 return base
         started = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=2) as pool:  # the clean oracle twice: its run-to-run noise
-            clean_report, rerun = pool.map(lambda i: _grade(cfg, ROOT, workdir / f"reports-clean-{i}", levels,
-                                                            compile_cache), (0, 1))
+        for attempt in (1, 2):
+            with ThreadPoolExecutor(max_workers=2) as pool:  # the clean oracle twice: its run-to-run noise
+                clean_report, rerun = pool.map(lambda i: _grade(
+                    cfg, ROOT, workdir / f"reports-clean-{attempt}-{i}", levels, compile_cache), (0, 1))
+            timed_out = sorted({f'{c["level"]}/{c["name"]}' for r in (clean_report, rerun) for c in r["checks"]
+                                if "timeout" in (c.get("reason") or "")})
+            if not timed_out:
+                break
+            # the oracle is calibrated to its budgets: a timeout is a loaded machine (docs/SWEEP.md, issue 10)
+            progress(f"[{task}] the clean oracle timed out at {', '.join(timed_out)} "
+                     f"({'grading it again' if attempt == 1 else 'kept for this run only, not cached'})")
         coverage, coverage_ok = {}, {}
         task_class = _task_key(cfg)[0]
         groups = _groups(task_class, levels)
@@ -306,6 +315,8 @@ def task_baseline(task: str, cfg, ref, levels, cache_dir: Path, workdir: Path, c
                 "groups": {g: list(lvs) for g, lvs in groups.items()},
                 "depends": {g: list(d) for g, d in _depends(task_class, ref, levels).items()},
                 "coverage": coverage, "coverage_ok": coverage_ok, "seconds": time.perf_counter() - started}
+        if timed_out:  # a later run grades it afresh
+            return base
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.partial")
         tmp.write_text(json.dumps(base, default=float))
