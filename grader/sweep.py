@@ -837,7 +837,7 @@ def aggregate(tasks: list[str] | None, out_dir: Path, cache_dir: Path | None = N
     return _totals(results)
 
 
-HYDRA_KEYS = ("defect=", "aggregate=", "impact=", "cache=", "hydra", "+", "~")
+HYDRA_KEYS = ("defect=", "aggregate=", "hydra", "+", "~")  # task=, impact=, levels= ... are both spellings
 
 
 def _hydra_mode(argv: list[str]) -> bool:

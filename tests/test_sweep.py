@@ -270,6 +270,7 @@ def test_the_multirun_entry_parses_and_registers_every_defect(tmp_path):
     from hydra.core.config_store import ConfigStore
     assert sweep._hydra_mode(["-m", "task=llama3-sft", "defect=glob(*)"]) and sweep._hydra_mode(["aggregate=true"])
     assert not sweep._hydra_mode(["task=llama3-sft", "defects=a,b"]) and not sweep._hydra_mode(["--all"])
+    assert not sweep._hydra_mode(["task=llama3-sft", "impact=file", "merge=false"])  # the --task path's options
     sweep._register_defects()
     options = {n[:-len(".yaml")] for n in ConfigStore.instance().list("defect")}
     assert options == set(DEFECTS)
