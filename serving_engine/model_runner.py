@@ -4,7 +4,8 @@ execute_model: SchedulerOutput -> input_batch.BatchMetadata (plain lists) -> num
 forward_paged over the ragged batch -> hidden of each request's last scheduled token -> logits -> Sampler.
 Static shapes keep the number of compilations small: the flat token axis is padded to a bucket
 (make_token_buckets: 16, 32, 64, ...), the per-sequence axis to max_num_seqs (1 in core mode), the block
-table to max_blocks_per_seq. The KV cache is an argument and a result of `step`, donated, so XLA updates
+table to max_blocks_per_seq; a pure decode step is its own variant of its bucket (max_q_len 1: the CPU
+attention gathers each sequence's pages once, not each padded token's). The KV cache is an argument and a result of `step`, donated, so XLA updates
 it in place (tpu-inference's `donate_argnums` on kv_caches); the runner keeps only the returned value.
 Per step the host reads back the sampled ids, plus the raw log-prob rows of only those requests that ask for
 logprobs (prompt logprobs switch to a variant of the step that also returns every token's log-probs). Rows
@@ -63,10 +64,13 @@ def _forward_logits(family, model, kv_cache, input_ids, positions, attn_meta):
 
 
 def attention_metadata(batch: BatchMetadata, impl: str = "auto") -> AttentionMetadata:
-    """Host arrays (numpy) of one step; jit moves them to the device with the call."""
+    """Host arrays (numpy) of one step; jit moves them to the device with the call. A pure decode step
+    (every sequence one new token) says so statically: max_q_len 1, one query block per sequence."""
+    q_lens = np.diff(batch.query_start_loc[: batch.num_seqs + 1])
     return AttentionMetadata(slot_mapping=_i32(batch.slot_mapping), kv_lens=_i32(batch.seq_lens),
                              page_indices=_i32(batch.block_tables), cu_q_lens=_i32(batch.query_start_loc),
-                             num_seqs=_i32([batch.num_seqs]), impl=impl)
+                             num_seqs=_i32([batch.num_seqs]), impl=impl,
+                             max_q_len=1 if q_lens.size and q_lens.max() <= 1 else None)
 
 
 class ModelRunner:
@@ -91,6 +95,8 @@ class ModelRunner:
         self.num_steps = 0  # steps run: the engine-wide noise of unseeded requests is keyed by it
         self.num_compilations = 0  # traces of the jitted functions (each trace is one XLA compilation)
         self.buckets_used: set[int] = set()  # token buckets execute_model has run
+        # (token bucket, max_q_len) pairs it has run: each is one compiled variant of the step
+        self.variants_used: set[tuple[int, int | None]] = set()
 
     def _step(self, *args, **kwargs):
         return self._traced(_step, self.family, *args, **kwargs)
@@ -115,14 +121,16 @@ class ModelRunner:
         step, self.num_steps = self.num_steps, self.num_steps + 1
         batch = build_batch_metadata(out, requests, cfg.block_size, self.max_num_seqs, cfg.max_blocks_per_seq,
                                      self.token_buckets)
+        attn_meta = attention_metadata(batch, self.attn_impl)
         self.buckets_used.add(batch.padded_num_tokens)
+        self.variants_used.add((batch.padded_num_tokens, attn_meta.max_q_len))
         sampling = SamplingMetadata.from_requests([requests[r] for r in batch.req_ids], self.vocab_size,
                                                   num_rows=self.max_num_seqs, sample_rows=out.will_sample,
                                                   engine_seed=cfg.seed, step=step)
         targets = prompt_logprob_targets(batch, requests)
         ids, raw_logprobs, self.kv_cache, every = self._step(
             self.model, self.kv_cache, _i32(batch.input_ids), _i32(batch.positions),
-            attention_metadata(batch, self.attn_impl), _i32(batch.logits_indices), sampling,
+            attn_meta, _i32(batch.logits_indices), sampling,
             all_logprobs=bool(targets))
         rows = [i for i, sample in enumerate(out.will_sample) if sample]
         rids = [batch.req_ids[i] for i in rows]

@@ -8,8 +8,8 @@ head_dim than its sliding ones). A KV-shared layer (Gemma 4's last `num_kv_share
 cache: its entry is None and it reads the cache of `config.kv_source_layer(i)`.
 
 `write_to_kv_cache` and `ragged_paged_attention` keep the kernel's signature and delegate to
-serving_engine/kernels: the compiled Pallas kernel on a GPU backend, the plain-jnp reference on CPU
-(DESIGN section 11); `impl=` overrides the choice (tests).
+serving_engine/kernels: the compiled Pallas kernel on a GPU backend, the kernel's schedule as dense jnp
+on CPU (DESIGN section 11); `impl=` overrides the choice (tests).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class PagedKVCache:
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["slot_mapping", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"],
-                   meta_fields=["impl"])
+                   meta_fields=["impl", "max_q_len"])
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
     """What every layer's paged attention needs for one step (vLLM's FlashAttentionMetadata)."""
@@ -52,6 +52,9 @@ class AttentionMetadata:
     cu_q_lens: jax.Array  # i32[max_seqs+1] first flat token of each sequence
     num_seqs: jax.Array  # i32[1] live sequences
     impl: str = "auto"  # attention implementation, see ragged_paged_attention
+    # Static: a bound on any sequence's new tokens this step (1 = pure decode; None = the token bucket).
+    # vLLM's max_query_len; it sizes the CPU path's query blocks.
+    max_q_len: int | None = None
 
 
 def layer_kv_shapes(model_config) -> list[tuple[int, int] | None]:
@@ -83,13 +86,15 @@ def write_to_kv_cache(k_pages, v_pages, k_new, v_new, slot_mapping):
 
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale: float, sliding_window: int | None = None,
-                           soft_cap: float | None = None, sinks=None, impl: str = "auto"):
+                           soft_cap: float | None = None, sinks=None, impl: str = "auto",
+                           max_q_len: int | None = None):
     """q f32[T,N,H] (flat new tokens of all sequences); k_pages, v_pages f32[P,S,K,H] already
     holding them; kv_lens i32[max_seqs] (new tokens included); page_indices
     i32[max_seqs, pages_per_seq]; cu_q_lens i32[max_seqs+1]; num_seqs i32[1] -> f32[T,N,H].
     Bottom-right causal, optional sliding window (W keys including self), soft cap and attention sinks
     (sinks f32[N]: one logit per query head in the softmax normaliser only, GPT-OSS).
-    impl: "auto" (Pallas kernel on GPU, jnp reference elsewhere), "kernel", "interpret", "reference"."""
+    impl: "auto" (Pallas kernel on GPU, blocked jnp elsewhere), "kernel", "interpret", "blocked",
+    "reference"; max_q_len: see AttentionMetadata."""
     return kernels.paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sinks,
                                    sm_scale=sm_scale, sliding_window=sliding_window,
-                                   soft_cap=soft_cap, impl=impl)
+                                   soft_cap=soft_cap, impl=impl, max_q_len=max_q_len)

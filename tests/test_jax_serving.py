@@ -329,24 +329,25 @@ def test_sampler_batch_matches_torch():
 # ---- (6) compilations, (7) donation ---------------------------------------------------------------------------
 
 def test_compilations_stay_few():
-    """20 requests of 3-40 tokens, chunked with prefix caching: one compilation per token bucket used, and a
-    second pass over a new workload compiles nothing new."""
+    """20 requests of 3-40 tokens, chunked with prefix caching: one compilation per step variant used (a token
+    bucket, pure decode or not), and a second pass over a new workload compiles nothing new."""
     cfg = EngineConfig(mode="chunked", block_size=8, num_blocks=128, max_num_seqs=8, max_num_batched_tokens=64,
                        max_model_len=64, enable_prefix_caching=True)
     engine = LLMEngine(FAMILIES["llama3"], cfg)
     params = SamplingParams(temperature=0.0, max_tokens=6)
     rng = np.random.default_rng(11)
     engine.generate([rng.integers(3, 400, int(n)).tolist() for n in rng.integers(3, 41, 20)], params)
-    used = engine.runner.buckets_used
+    used, variants = engine.runner.buckets_used, set(engine.runner.variants_used)
     n = engine.stats()["num_compilations"]
     assert 1 < len(used) <= len(engine.runner.token_buckets)
-    assert 0 < n <= len(used)
+    assert {b for b, _ in variants} == used and {q for _, q in variants} == {1, None}
+    assert 0 < n <= len(variants) <= 2 * len(used)
     for i, p in enumerate(rng.integers(3, 400, (6, 33)).tolist()):
         engine.add_request(f"again{i}", p, params)
     while engine.has_unfinished_requests():
         engine.step()
-    new_buckets = engine.runner.buckets_used - used
-    assert engine.stats()["num_compilations"] <= n + len(new_buckets)
+    new_variants = engine.runner.variants_used - variants
+    assert engine.stats()["num_compilations"] <= n + len(new_variants)
 
 
 def test_kv_cache_is_donated():

@@ -1,4 +1,5 @@
-"""Ragged paged attention: Pallas kernel vs jnp reference vs a dense numpy oracle (STYLE P7).
+"""Ragged paged attention: Pallas kernel, blocked jnp (the CPU path) and jnp reference vs a dense
+numpy oracle (STYLE P7).
 
 Batches mix prefills, prefill chunks, one-token decodes and idle sequences; KV lengths end
 mid-page; every slot not holding a real key (page tails, unused pages) is NaN; page tables are
@@ -20,6 +21,7 @@ from serving_engine.kernels import (
     kernel_supports,
     paged_attention,
     ragged_paged_attention,
+    ragged_paged_attention_blocked,
     ragged_paged_attention_reference,
     write_to_kv_cache,
 )
@@ -171,6 +173,35 @@ class TestRaggedPagedAttentionInterpret(_RaggedPagedAttentionCases):
     BLOCK_SIZES = BlockSizes(block_q=4, block_kv=8)  # small tiles: many blocks and steps per seq
 
 
+class TestRaggedPagedAttentionBlocked:
+    """The CPU path: the kernel's schedule in dense jnp, each query block gathering its sequence's
+    pages once. max_q_len is the static bound the model runner passes (1 in a pure decode step)."""
+
+    @pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+    @settings(max_examples=10, deadline=None, derandomize=True, database=None)
+    @given(layout=ragged_layouts())
+    @example(layout=(4, [1, 9, 0, 13], [17, 9, 5, 24], 11))
+    @example(layout=(3, [1, 1, 1], [24, 5, 1], 7))  # decode-only batch: max_q_len 1
+    def test_matches_dense(self, cfg, layout):
+        args = build_case(layout, cfg)
+        opts = dict(sm_scale=HEAD_DIM**-0.5, sliding_window=cfg.sliding_window, soft_cap=cfg.soft_cap)
+        dense = dense_attention(*args, **opts)
+        live = int(args[5][int(args[6][0])])
+        bound = max(layout[1])
+        for kw in (dict(block_q=4), dict(block_q=4, max_q_len=bound), dict(max_q_len=bound), {}):
+            out = np.asarray(ragged_paged_attention_blocked(*args, **opts, **kw))
+            assert np.isfinite(out).all(), kw
+            np.testing.assert_array_equal(out[live:], 0.0)
+            np.testing.assert_allclose(out, dense, **TOL, err_msg=str(kw))
+
+    def test_bound_sizes_the_blocks(self):
+        from serving_engine.kernels.blocked_attention import num_query_blocks
+        assert num_query_blocks(16, 8, 1, 1) == 8  # a decode step padded to 16 tokens: one block per seq
+        assert num_query_blocks(16, 8, 4, 16) == 12  # cdiv(T, block_q) + one partial block per seq
+        assert num_query_blocks(2048, 8, 64, 256) == 32
+        assert num_query_blocks(2048, 8, 64, 2048) == 40
+
+
 def _has_gpu():
     try:
         return bool(jax.devices("gpu"))
@@ -218,8 +249,11 @@ def test_paged_attention_dispatch():
     args = build_case((3, [4, 1, 7], [4, 10, 20], 3), CONFIGS[1])
     opts = dict(sm_scale=0.25, sliding_window=5)
     ref = np.asarray(ragged_paged_attention_reference(*args, **opts))
-    if jax.default_backend() != "gpu":
-        np.testing.assert_array_equal(np.asarray(paged_attention(*args, **opts)), ref)
+    if jax.default_backend() != "gpu":  # auto = the blocked path
+        blocked = np.asarray(ragged_paged_attention_blocked(*args, **opts))
+        np.testing.assert_array_equal(np.asarray(paged_attention(*args, **opts)), blocked)
+        np.testing.assert_allclose(blocked, ref, **TOL)
+    np.testing.assert_array_equal(np.asarray(paged_attention(*args, **opts, impl="reference")), ref)
     small = BlockSizes(block_q=4, block_kv=8)
     interp = paged_attention(*args, **opts, impl="interpret", block_sizes=small)
     np.testing.assert_allclose(np.asarray(interp), ref, **TOL)

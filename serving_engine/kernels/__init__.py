@@ -1,10 +1,11 @@
-"""Attention kernels of the JAX serving engine: a Pallas ragged paged-attention kernel beside
-its plain-jnp reference, and the paged KV-cache write."""
+"""Attention kernels of the JAX serving engine: a Pallas ragged paged-attention kernel, its
+schedule as dense jnp (the CPU path), its plain-jnp reference, and the paged KV-cache write."""
 
+from serving_engine.kernels.blocked_attention import ragged_paged_attention_blocked
+from serving_engine.kernels.dispatch import paged_attention
 from serving_engine.kernels.ragged_paged_attention import (
     BlockSizes,
     kernel_supports,
-    paged_attention,
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
@@ -15,6 +16,7 @@ __all__ = [
     "kernel_supports",
     "paged_attention",
     "ragged_paged_attention",
+    "ragged_paged_attention_blocked",
     "ragged_paged_attention_reference",
     "write_to_kv_cache",
 ]

@@ -11,7 +11,8 @@ soft-capped `cap * tanh(s / cap)` before masking; softmax in fp32, optionally wi
 attention sink (GPT-OSS: `exp(sink)` joins the denominator only).
 
 Layout of this file (STYLE P6): the Pallas kernel body, the jitted wrapper, the plain-jnp
-reference, then `paged_attention`, which picks one of them by backend.
+reference. blocked_attention.py runs the kernel's schedule as dense jnp (the CPU path);
+dispatch.py's `paged_attention` picks one of the three by backend.
 
 Kernel plan (the schedule of vLLM's Triton unified attention, in Pallas): the wrapper cuts each
 sequence's query tokens into blocks of `block_q` tokens, so there are at most
@@ -38,7 +39,6 @@ __all__ = [
     "kernel_supports",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
-    "paged_attention",
 ]
 
 # Finite, so masked rows never compute (-inf) - (-inf) = NaN (tpu-inference and jax's GPU kernel
@@ -319,28 +319,3 @@ def ragged_paged_attention_reference(
     p = p[..., : k.shape[1]] / jnp.where(denom > 0, denom, 1.0)
     o = jnp.einsum("tkgl,tlkh->tkgh", p, v, precision=_HIGHEST)
     return o.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# Dispatcher: the compiled kernel on GPUs, the jnp reference elsewhere (DESIGN section 11).
-# ----------------------------------------------------------------------------------------------
-def paged_attention(
-    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sinks=None, *,
-    sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-    impl: str = "auto", block_sizes: BlockSizes = BlockSizes(),
-):
-    """`impl`: "kernel" (compiled Pallas), "interpret" (Pallas body as JAX ops), "reference"
-    (plain jnp) or "auto": the kernel on a GPU backend when `kernel_supports` the shapes, else
-    the reference. Same arguments and result as `ragged_paged_attention`."""
-    if impl == "auto":
-        on_gpu = jax.default_backend() == "gpu"
-        fits = kernel_supports(q.shape, k_pages.shape, block_sizes)
-        impl = "kernel" if on_gpu and fits else "reference"
-    args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sinks)
-    opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    if impl == "reference":
-        return ragged_paged_attention_reference(*args, **opts)
-    if impl in ("kernel", "interpret"):
-        return ragged_paged_attention(*args, **opts, interpret=impl == "interpret",
-                                      block_sizes=block_sizes)
-    raise ValueError(f"unknown impl {impl!r}")

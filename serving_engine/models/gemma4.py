@@ -40,7 +40,8 @@ def _layer(lm, i, hidden, per_layer_input, cos, sin, kv_cache: PagedKVCache, met
     src = attn.kv_source
     out = ragged_paged_attention(q[0], kv_cache.k[src], kv_cache.v[src], meta.kv_lens, meta.page_indices,
                                  meta.cu_q_lens, meta.num_seqs, sm_scale=attn.scaling,
-                                 sliding_window=attn.sliding_window, impl=meta.impl)  # f32[T,N,hd]
+                                 sliding_window=attn.sliding_window, impl=meta.impl,
+                                 max_q_len=meta.max_q_len)  # f32[T,N,hd]
     return layer.after_attention(hidden, attn.project_output(out[None]), per_layer_input), kv_cache
 
 

@@ -60,7 +60,8 @@ def paged_functions(causal_lm, rope_inv_freq, conversion, rope_attention_factor=
         out = ragged_paged_attention(q, k_pages, v_pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens,
                                      meta.num_seqs, sm_scale=getattr(attn, "scaling", c.head_dim ** -0.5),
                                      sliding_window=getattr(attn, "sliding_window", None),
-                                     sinks=getattr(attn, "sinks", None), impl=meta.impl)  # f32[T,N,hd]
+                                     sinks=getattr(attn, "sinks", None), impl=meta.impl,
+                                     max_q_len=meta.max_q_len)  # f32[T,N,hd]
         hidden = hidden + attn.o_proj(out.reshape(1, T, -1))
         mlp_in = _norm(p["post_attention_layernorm"], hidden, c.rms_norm_eps)
         return hidden + mlp(c).apply({"params": p["mlp"]}, mlp_in), kv_cache
