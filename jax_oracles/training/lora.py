@@ -121,10 +121,7 @@ class LoraLinear(nn.Module):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _adapted(x, kernel, bias, lora_a, lora_b, scaling: float):
     """x @ kernel (+ bias) + scaling * (x @ lora_a) @ lora_b, in that order of operations."""
-    y = x @ kernel
-    if bias is not None:
-        y = y + bias
-    return y + scaling * ((x @ lora_a) @ lora_b)
+    return _adapted_fwd(x, kernel, bias, lora_a, lora_b, scaling)[0]
 
 
 def _adapted_fwd(x, kernel, bias, lora_a, lora_b, scaling):
