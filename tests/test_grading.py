@@ -16,7 +16,9 @@ SOLUTION_TREES = ("jax_oracles", "serving_engine", "conversion")
 # bloom-sft (ALiBi, LayerNorm, interleaved fused qkv, embedding LayerNorm, `transformer.h` layout) and
 # gpt-oss-chunked (sinks, a top-k MoE, MXFP4 experts, YaRN and its feature checks). Every task under -m slow
 # (`make test-full`); every family's model is also held against transformers and torch in its own fast test.
-SMOKE = ("llama3-sft", "gemma4-chunked", "bloom-sft", "gpt-oss-chunked")
+# CI's smoke subset: Llama training, Gemma 4 serving, ALiBi (the attention path with a bias); every other
+# recorded task (gpt-oss included) grades in the slow test below (`make test-full`)
+SMOKE = ("llama3-sft", "gemma4-chunked", "bloom-sft")
 ALL_TASKS = sorted(p.stem for p in (ROOT / "references").glob("*.h5"))
 
 

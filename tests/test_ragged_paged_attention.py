@@ -178,7 +178,7 @@ class TestRaggedPagedAttentionBlocked:
     pages once. max_q_len is the static bound the model runner passes (1 in a pure decode step)."""
 
     @pytest.mark.parametrize("cfg", CONFIGS, ids=str)
-    @settings(max_examples=10, deadline=None, derandomize=True, database=None)
+    @settings(max_examples=6, deadline=None, derandomize=True, database=None)
     @given(layout=ragged_layouts())
     @example(layout=(4, [1, 9, 0, 13], [17, 9, 5, 24], 11))
     @example(layout=(3, [1, 1, 1], [24, 5, 1], 7))  # decode-only batch: max_q_len 1
@@ -188,7 +188,8 @@ class TestRaggedPagedAttentionBlocked:
         dense = dense_attention(*args, **opts)
         live = int(args[5][int(args[6][0])])
         bound = max(layout[1])
-        for kw in (dict(block_q=4), dict(block_q=4, max_q_len=bound), dict(max_q_len=bound), {}):
+        # small blocks (several per sequence) under the exact bound; the defaults with no bound (one block size)
+        for kw in (dict(block_q=4, max_q_len=bound), {}):
             out = np.asarray(ragged_paged_attention_blocked(*args, **opts, **kw))
             assert np.isfinite(out).all(), kw
             np.testing.assert_array_equal(out[live:], 0.0)

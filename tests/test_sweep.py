@@ -130,7 +130,8 @@ def test_a_real_sweep_of_two_defects_catches_both_with_the_expected_checks(tmp_p
 
 @pytest.mark.sandbox
 @pytest.mark.parametrize("did, only_trace", [
-    ("serve-free-head-first", True),
+    # slow (~100 s each: a clean and a mutant L5 grading); `make test-full` and the sweep run them
+    pytest.param("serve-free-head-first", True, marks=pytest.mark.slow),
     pytest.param("serve-no-null-block", False, marks=pytest.mark.slow),  # also tripped by the greedy checks
 ])
 def test_block_pool_defects_are_caught_by_the_pressure_trace(tmp_path, did, only_trace):
