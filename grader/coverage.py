@@ -21,6 +21,8 @@ from pathlib import Path
 
 import yaml
 
+from grader import pysource
+
 ROOT = Path(__file__).resolve().parents[1]
 EXCLUSIONS = ROOT / "grader" / "coverage_exclusions.yaml"
 OUT = ROOT / "reports" / "coverage"
@@ -65,7 +67,7 @@ def load_exclusions(path: Path = EXCLUSIONS) -> dict[str, list[dict]]:
 def _excluded_lines(source: str, blocks: list[str], rel: str) -> set[int]:
     lines, found = source.splitlines(), set()
     out: set[int] = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(pysource.parse(source)):
         if not isinstance(node, ast.stmt):
             continue
         text = lines[node.lineno - 1].strip()

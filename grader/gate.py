@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from grader import _guard, sandbox
+from grader import _guard, pysource, sandbox
 
 __all__ = ["FORBIDDEN", "MIRROR_PACKAGES", "SandboxResult", "candidate_packages", "run_import_linter",
            "run_sandboxed", "static_scan"]
@@ -174,7 +174,7 @@ def _code_hits(text: str, line: int, depth: int) -> list[tuple[int, str]]:
     hits = [(line, m.group(1) or m.group(2)) for m in _IMPORT_IN_TEXT.finditer(text)]
     if depth < 3:
         try:
-            inner = ast.parse(text)
+            inner = pysource.parse(text)
         except (SyntaxError, ValueError):
             return hits
         hits += [(line, m) for _, m in _forbidden_imports(inner, depth + 1)]
@@ -241,7 +241,7 @@ def static_scan(candidate_root: str | Path) -> list[str]:
         source = path.read_bytes()
         with _PARSE_LOCK:  # held over the scan too: it parses exec/eval string literals
             try:
-                hits = _forbidden_imports(ast.parse(source, filename=rel))
+                hits = _forbidden_imports(pysource.parse(source, filename=rel))
             except (SyntaxError, ValueError) as e:  # ValueError: null bytes, bad encoding
                 offences.append(f"{rel}: unparseable ({e})")
                 continue

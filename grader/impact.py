@@ -46,6 +46,8 @@ import ast
 import types
 from dataclasses import dataclass
 
+from grader import pysource
+
 __all__ = ["Anchors", "CANDIDATE_ROOTS", "Impact", "anchors", "edited_spans", "group_impact"]
 
 CANDIDATE_ROOTS = ("jax_oracles", "serving_engine", "conversion")  # what a mutant edits (grader/sweep.py)
@@ -157,7 +159,7 @@ class Anchors:
 
 
 def anchors(old_src: str, new_src: str, filename: str = "<defect>") -> Anchors:
-    old_tree, new_tree = ast.parse(old_src, filename), ast.parse(new_src, filename)
+    old_tree, new_tree = pysource.parse(old_src, filename), pysource.parse(new_src, filename)
     out: list[ast.stmt] = []
     _diff_body(old_tree.body, new_tree.body, None, out)
     if not out or any(o is None for o in out):

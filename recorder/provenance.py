@@ -20,6 +20,7 @@ from pathlib import Path
 import h5py
 from omegaconf import DictConfig, OmegaConf
 
+from grader import pysource
 from grader.h5schema import SCHEMA_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,7 +131,7 @@ def model_files(family_file: Path) -> list[Path]:
         if path in seen or not path.is_file():
             continue
         seen.append(path)
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(pysource.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch_sources.models"):
                 rest = node.module.split(".")[2:]
                 names = rest[:1] if rest else [a.name for a in node.names]
