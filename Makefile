@@ -10,7 +10,7 @@ SCALE  ?= tiny
 JOBS   ?= 2
 PYTEST := $(PY) -m pytest -q -p no:randomly
 
-.PHONY: venv verifier sandbox record record-all grade grade-all calibrate coverage-torch sweep test test-full bench assets stale clean-venv
+.PHONY: venv verifier sandbox record record-all grade grade-all calibrate stability coverage-torch sweep test test-full bench assets stale clean-venv
 
 venv: $(STAMP)
 
@@ -48,8 +48,13 @@ grade-all: venv sandbox   ## every recorded task graded, one report in reports/a
 	$(PY) -m grader.grade_all $(if $(CANDIDATE),candidate=$(CANDIDATE),)
 	$(PY) -m grader.coverage
 
-calibrate: venv sandbox   ## the oracle's compile seconds per task and timed level -> grader/budgets.yaml (L5/L6 budgets)
+calibrate: venv sandbox   ## the oracle's CPU seconds per task and timed level + the speed probe -> grader/budgets.yaml (L5/L6 budgets)
 	$(PY) -m grader.budget
+
+# The oracle of a training and a serving task, and the catalog's too-slow defects, graded idle, beside two CPU-bound
+# processes, two gradings at once, and pinned to one core (grader/stability.py); last line stable=true|false
+stability: venv sandbox   ## verdicts that hold on a loaded or slower machine: reports/stability/stability.md
+	$(PY) -m grader.stability
 
 coverage-torch: venv   ## branch coverage of torch_sources/ while recording every task (references untouched)
 	for t in $$($(PY) -c "from recorder.app import known_tasks; print(' '.join(known_tasks()))"); do \

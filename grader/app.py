@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from grader import gate, heldout, sandbox
-from grader.budget import TIMED_LEVELS, BudgetPolicy, level_budget
+from grader.budget import TIMED_LEVELS, BudgetPolicy, Calibration, level_budget, load_calibration
 from grader.checks import checks_for
 from grader.coverage import merge as merge_coverage
 from grader.exchange import UntrustedOutput, read_compile_seconds, read_coverage, read_outputs
@@ -28,7 +28,6 @@ from grader.trace import reference_pressure
 
 ROOT = Path(__file__).resolve().parents[1]
 console = Console(width=150)
-STARTUP_SLACK_S = 30.0  # the sandboxed child's start (interpreter, jax import) on top of a timed level's budget
 # One sandboxed child per group of levels: a crash or a hang costs that group, never the grader.
 # L6 never shares a child with L5: training L6 runs the candidate's forward with the adapter its L5
 # child produced (grader/heldout.py), serving L6 inputs hold the greedy continuations L5 must produce.
@@ -113,14 +112,16 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
           quiet: bool = False, levels: tuple[str, ...] | None = None, check_timeout_s: float | None = None,
           only_checks: tuple[str, ...] | None = None, trusted: bool = False, compile_cache: Path | None = None,
           coverage: bool = False, measure_compile: bool = False,
-          groups: tuple[tuple[str, ...], ...] | None = None, forkserver=None) -> dict:
+          groups: tuple[tuple[str, ...], ...] | None = None, forkserver=None,
+          calibration: Calibration | None = None) -> dict:
     """Grade `candidate` on the task whose composed config is `cfg` (recorder or grader config).
 
     `levels` restricts the run to some levels (L0's torch_free gate always runs); the reward then
     covers only the checks that ran; `only_checks` (names such as "rms_norm") restricts it further.
     `check_timeout_s` caps each L0-L4 check inside the child (grader/probes/common.py; default
-    120 s there); each of L5 and L6 runs under one time budget (grader/budget.py, policy `budget`), kept
-    by the child and checked again on the grader's own clock.
+    120 s there); each of L5 and L6 runs under one CPU-time budget (grader/budget.py, policy `budget`,
+    `calibration` or grader/budgets.yaml, scaled by this machine's speed probe), kept on the grader's own
+    clock (grader/clock.py): the child's process tree is killed past it.
 
     Every child runs sealed (grader/sandbox.py); where no sandbox can be made this raises
     SandboxUnavailable before anything runs, unless `trusted` (the oracles on such a machine: the
@@ -162,10 +163,10 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
     results.append(Check("L0", "torch_free", "spec", "pass", 1.0, None))
 
     policy = budget or BudgetPolicy()
-    budgets = {lv: level_budget(ref, task, lv, policy) for lv in TIMED_LEVELS}
     compile_seconds = {} if measure_compile else None
     selected = [s for s in all_specs if s.key in ref.checks and (levels is None or s.level in levels)
                 and (only_checks is None or s.name in only_checks)]
+    budgets = _timed_budgets(ref, task, policy, calibration, {s.level for s in selected} & set(TIMED_LEVELS))
     # training L6 runs on the adapter the candidate's L5 child produced: that check runs whenever L6 does
     # (scored only when selected), and its outputs become L6 inputs, read as untrusted as any output
     wants_adapter = any(s.key in heldout.SCORERS for s in selected) and heldout.ADAPTER_KEY in ref.checks
@@ -192,19 +193,25 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
                 run = [s for s in run if s.key != key]
         if not run and not early:
             continue
+        cpu_limit = math.inf
         if group == ("L0",):
             timeout = spec_timeout
         elif group[0] in TIMED_LEVELS:
-            timeout = budgets[group[0]][0] + STARTUP_SLACK_S
+            b = budgets[group[0]][0]
+            cpu_limit, timeout = policy.kill_at(b), policy.wall_limit(b)
+            budgets[group[0]][1].update(wall_limit_s=timeout)
         else:  # the per-check limit fires first for Python-level hangs; this backstop catches C-level ones
             timeout = max(numeric_timeout, (check_timeout_s or 0) * len(run) + 60)
         produced, errors, seconds = {}, {}, {}
         if run:
             group_budget = budgets[group[0]][0] if group[0] in TIMED_LEVELS else None
             group_executed = {} if coverage else None
-            produced, errors, seconds = _run_group(candidate, cfg, references, run, inputs, group_budget, timeout,
-                                                   check_timeout_s, trusted, compile_cache, group_executed,
-                                                   compile_seconds, forkserver)
+            produced, errors, seconds, usage = _run_group(
+                candidate, cfg, references, run, inputs, group_budget, timeout, check_timeout_s, trusted,
+                compile_cache, group_executed, compile_seconds, forkserver, cpu_limit)
+            if group[0] in TIMED_LEVELS and usage is not None:
+                budgets[group[0]][1].update(used_cpu_s=round(usage.cpu_s, 3), used_wall_s=round(usage.wall_s, 3),
+                                            meter=usage.meter)
             if coverage:
                 merge_coverage(executed, group_executed)
                 executed_by_group["+".join(group)] = group_executed
@@ -225,6 +232,17 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
                    compile_seconds=compile_seconds, executed_by_group=executed_by_group)
 
 
+def _timed_budgets(ref, task, policy: BudgetPolicy, calibration, timed: set[str]) -> dict:
+    """{level: (CPU-s here, how derived)} for the timed levels; the speed probe runs only when one will run."""
+    cal = load_calibration() if calibration is None else calibration
+    if timed and policy.scale:
+        from grader.speed import machine_speed
+        speed = machine_speed(cal.probe_cpu_s)
+    else:
+        speed = (1.0, {"speed": 1.0, "note": "unscaled" if timed else "no timed level ran"})
+    return {lv: level_budget(ref, task, lv, policy, cal, speed) for lv in TIMED_LEVELS}
+
+
 def _series(key, reference: dict, produced: dict) -> dict:
     out = {}
     for name, ref in reference.items():
@@ -237,11 +255,12 @@ def _series(key, reference: dict, produced: dict) -> dict:
 
 def _run_group(candidate, cfg, ref_dir, specs, inputs, budget, timeout, check_timeout_s=None, trusted=False,
                compile_cache=None, executed: dict | None = None, compile_seconds: dict | None = None,
-               forkserver=None):
-    """One sealed child on `inputs` (check key -> {name: array}); -> (outputs, errors, seconds) per check.
-    `budget`: the timed level's seconds (None below L5). With `executed` (a dict), the child runs under
-    coverage and its executed lines are merged into it; with `compile_seconds`, its JAX compile seconds are
-    added up per level there."""
+               forkserver=None, cpu_limit: float = math.inf):
+    """One sealed child on `inputs` (check key -> {name: array}); -> (outputs, errors, seconds, clock usage)
+    per check. `budget`: the timed level's CPU seconds (None below L5), which the child keeps itself to;
+    the grader kills its tree past `cpu_limit` CPU seconds or `timeout` wall seconds (its own clock). With
+    `executed` (a dict), the child runs under coverage and its executed lines are merged into it; with
+    `compile_seconds`, its JAX compile seconds are added up per level there."""
     with tempfile.TemporaryDirectory(prefix="t2j-grade-") as tmp:
         tmp = Path(tmp)
         inputs_dir, out_dir = tmp / "inputs", tmp / "out"
@@ -263,11 +282,19 @@ def _run_group(candidate, cfg, ref_dir, specs, inputs, budget, timeout, check_ti
         started = time.perf_counter()
         res = gate.run_sandboxed(candidate, f"grader.probes.{cfg_class(cfg)}:main", inputs_dir, out_dir, timeout,
                                  deny_read=(ref_dir,), trusted=trusted, compile_cache=compile_cache,
-                                 forkserver=forkserver)
+                                 forkserver=forkserver, cpu_limit_s=cpu_limit)
         elapsed = time.perf_counter() - started
-        if not res.ok or res.outputs is None:
-            reason = res.reason or "no outputs written"
-            return {}, {s.key: reason for s in specs}, {s.key: elapsed for s in specs}
+        usage = res.usage
+        over = None  # the grader's clock, never the child's: a child may end between two readings past a limit
+        if usage is not None and res.reason != "timeout":
+            if usage.cpu_s > cpu_limit:
+                over = (f"timeout: the child's process tree used {usage.cpu_s:.1f} CPU-s > {cpu_limit:.1f} CPU-s "
+                        f"(grader's clock, {usage.meter})")
+            elif usage.wall_s > timeout:
+                over = f"timeout: the child ran {usage.wall_s:.1f} s > {timeout:.1f} s (grader's wall clock)"
+        if over or not res.ok or res.outputs is None:
+            reason = over or res.timeout_detail or res.reason or "no outputs written"
+            return {}, {s.key: reason for s in specs}, {s.key: elapsed for s in specs}, usage
         try:  # everything the child returns is untrusted data
             outputs = read_outputs(res.outputs, [s.key for s in specs])
             if executed is not None:
@@ -277,11 +304,8 @@ def _run_group(candidate, cfg, ref_dir, specs, inputs, budget, timeout, check_ti
                     level = key.split("/", 1)[0]
                     compile_seconds[level] = compile_seconds.get(level, 0.0) + sec
         except UntrustedOutput as e:
-            return {}, {s.key: f"untrusted output: {e}" for s in specs}, {s.key: elapsed for s in specs}
-        if budget is not None and elapsed > budget + STARTUP_SLACK_S:  # the child's clock is the candidate's
-            why = f"timeout: the child ran {elapsed:.1f} s (grader's clock) > budget {budget:.1f} s + startup"
-            return {}, {s.key: why for s in specs}, {s.key: elapsed for s in specs}
-        return outputs
+            return {}, {s.key: f"untrusted output: {e}" for s in specs}, {s.key: elapsed for s in specs}, usage
+        return (*outputs, usage)
 
 
 def _link_or_copy(src, dst) -> None:
@@ -308,7 +332,7 @@ def _finish(task, candidate, results, ref, report_dir, stale, quiet, series, gat
               "gated": gated, "stale_reference": stale,
               "isolation": "trusted: Python-level fence only" if trusted else "bubblewrap sandbox",
               "reference_pressure": reference_pressure(ref),
-              "checks": [asdict(c) for c in results], "series": series,
+              "checks": [_with_budget(asdict(c), budgets) for c in results], "series": series,
               "details": details or {},  # per check, what the grader computed itself (training L6: the loss)
               "budgets": budgets or {}}  # per timed level: the budget and what it was derived from
     if compile_seconds is not None:
@@ -321,6 +345,12 @@ def _finish(task, candidate, results, ref, report_dir, stale, quiet, series, gat
     (report_dir / f"{task}.json").write_text(json.dumps(report, indent=2, default=float))
     if not quiet:
         _print_table(task, results, r, levels)
+        for lv, b in (budgets or {}).items():
+            if b.get("used_cpu_s") is not None:
+                console.print(f"{lv} budget: {b['rule']} (speed {b.get('speed', 1.0):.3f} against "
+                              f"{b.get('calibrated_on') or 'no calibration'}); used {b['used_cpu_s']:.1f} CPU-s, "
+                              f"{b['used_wall_s']:.1f} s wall (grader's clock, {b['meter']}); killed past "
+                              f"{b['kill_at_cpu_s']:.1f} CPU-s or {b.get('wall_limit_s', 0):.0f} s")
         if report["reference_pressure"]:
             p = report["reference_pressure"]
             console.print(f"pressure run of the reference: {p['num_preemptions']} preemptions, "
@@ -334,6 +364,16 @@ def _finish(task, candidate, results, ref, report_dir, stale, quiet, series, gat
                 console.print(f"{key}: grader-computed {figures}; logits {len(d['logits_shapes'])} arrays, "
                               f"first {d['logits_shapes'][0]}")
     return report
+
+
+def _with_budget(check: dict, budgets: dict | None) -> dict:
+    """A timed check's entry names its level's budget and what the level's child used on the grader's clock
+    (its own `seconds` are the child's word, shown for reading only)."""
+    b = (budgets or {}).get(check["level"])
+    if b is not None:
+        check["budget"] = {k: b.get(k) for k in ("budget_cpu_s", "kill_at_cpu_s", "wall_limit_s", "used_cpu_s",
+                                                 "used_wall_s", "meter", "rule")}
+    return check
 
 
 def _coverage_json(executed: dict) -> dict:

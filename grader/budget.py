@@ -1,20 +1,29 @@
-"""The L5/L6 time budget: too slow is wrong, at a bar the oracle clears and an engine without jit does not.
+"""The L5/L6 time budget: too slow is wrong, at a bar relative to the machine that grades.
 
-Per level, one budget shared by the level's checks (one child runs them all):
+Per level, one budget shared by the level's checks (one child runs them all), in CPU seconds of the child's
+whole process tree on the grader's own clock (grader/clock.py):
 
-    budget = floor_s + compile_margin x C + factor x T
+    budget = speed x (headroom x O + factor x T)
 
-T is the torch source's recorded wall-clock of the level's checks (each check's `seconds` attr in the
-reference), C the seconds the JAX oracle spends tracing and compiling at that level, measured by
-`make calibrate` (`python -m grader.budget`) through jax.monitoring's compile events and kept in
-grader/budgets.yaml. Compilation is a one-time cost torch does not pay; past it, a jitted step beats the
-torch engine's eager one, while an engine dispatching op by op runs ~14x slower than torch (L5 long_decode
-makes that tell: over a thousand engine steps). Both figures are this machine's (the references are
-recorded on it, CI runs on one like it); a task with no calibration gets `uncalibrated_compile_s`.
+O is the CPU seconds the repo's JAX oracle needs for the level's child (interpreter start, imports, checkpoint
+conversion, tracing, compilation and the run itself), measured by `make calibrate` (`python -m grader.budget`)
+on the grader's clock and kept in grader/budgets.yaml with the calibration machine's speed-probe figure. T is
+the torch source's recorded seconds of the level's checks (each check's `seconds` attr in the reference,
+recorded on that same kind of machine). speed is this machine's speed-probe CPU seconds over the calibration
+machine's (grader/speed.py). In words: a candidate may take twice what the oracle takes plus one more run of
+the PyTorch original, here. Past compilation a jitted step beats the torch engine's eager one, while an engine
+dispatching op by op runs ~14x slower than torch over L5 long_decode's thousand steps: that is the tell.
+
+CPU seconds, because other processes' load does not inflate them (a child waiting for a core accrues none) and
+a machine with fewer cores runs the same work in about the same CPU time; a wall-clock limit of
+wall_factor x budget + startup backs it up against a child that sleeps or blocks. The child is killed at
+budget + grace (the time to write what it finished); the child's own copy of the budget (grader/probes/
+common.py) only lets an honest child stop in time and keep the checks it finished.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import subprocess
 import sys
@@ -30,25 +39,48 @@ TIMED_LEVELS = ("L5", "L6")
 
 @dataclass(frozen=True)
 class BudgetPolicy:
-    factor: float = 1.0  # x the recorded torch seconds (past compilation the oracle outruns torch)
-    compile_margin: float = 1.5  # x the oracle's calibrated compile seconds
-    floor_s: float = 5.0  # process jitter, the child's own setup
-    uncalibrated_compile_s: float = 60.0  # C where grader/budgets.yaml has no entry for the task
+    headroom: float = 2.0  # x the oracle's calibrated CPU seconds of the level's child
+    factor: float = 1.0  # + x the torch source's recorded seconds
+    grace_frac: float = 0.05  # the child is killed at budget x (1 + grace_frac) + grace_s: what it needs to
+    grace_s: float = 1.0  # write its outputs once its own copy of the budget stops it
+    wall_factor: float = 3.0  # wall-clock backstop: wall_factor x budget + wall_slack_s
+    wall_slack_s: float = 30.0  # the sealed child's start on a loaded machine
+    uncalibrated_cpu_s: float = 120.0  # O where grader/budgets.yaml has no entry for the task
+    scale: bool = True  # False: budgets as calibrated, unscaled by this machine's speed (tests)
 
     @classmethod
     def from_cfg(cls, node) -> "BudgetPolicy":
-        return cls(**{k: float(v) for k, v in dict(node).items()})
+        d = dict(node)
+        return cls(**{k: (bool(v) if k == "scale" else float(v)) for k, v in d.items()})
+
+    def kill_at(self, budget_s: float) -> float:
+        return budget_s * (1.0 + self.grace_frac) + self.grace_s
+
+    def wall_limit(self, budget_s: float) -> float:
+        return self.wall_factor * budget_s + self.wall_slack_s
 
 
-def load_compile_seconds(path: Path = BUDGETS) -> dict[str, dict[str, float]]:
-    """{task: {level: oracle compile seconds}}; {} when the file is missing."""
+@dataclass(frozen=True)
+class Calibration:
+    oracle_cpu_s: dict[str, dict[str, float]]  # task -> level -> CPU seconds of the oracle's child
+    probe_cpu_s: float | None  # the speed probe on the calibration machine
+    measured_on: str | None = None
+    compile_s: dict[str, dict[str, float]] | None = None  # the oracle's compile seconds (informative)
+
+
+def load_calibration(path: Path = BUDGETS) -> Calibration:
     if not path.is_file():
-        return {}
+        return Calibration({}, None)
     data = yaml.safe_load(path.read_text()) or {}
-    table = data.get("compile_s") or {}
-    if not isinstance(table, dict):
-        raise ValueError(f"{path}: compile_s must map task -> {{level: seconds}}")
-    return {str(t): {str(lv): float(s) for lv, s in (levels or {}).items()} for t, levels in table.items()}
+
+    def table(key):
+        t = data.get(key) or {}
+        if not isinstance(t, dict):
+            raise ValueError(f"{path}: {key} must map task -> {{level: seconds}}")
+        return {str(k): {str(lv): float(s) for lv, s in (levels or {}).items()} for k, levels in t.items()}
+    probe = data.get("speed_probe_cpu_s")
+    return Calibration(table("oracle_cpu_s"), None if probe is None else float(probe), data.get("measured_on"),
+                       table("compile_s"))
 
 
 def torch_seconds(ref, level: str) -> float:
@@ -56,54 +88,93 @@ def torch_seconds(ref, level: str) -> float:
     return sum(float(rec.attrs.get("seconds", 0.0)) for rec in ref.checks.values() if rec.level == level)
 
 
-def level_budget(ref, task: str, level: str, policy: BudgetPolicy,
-                 compile_s: dict[str, dict[str, float]] | None = None) -> tuple[float, dict]:
-    """-> (seconds, how they were derived) for `level` of `task`."""
-    table = load_compile_seconds() if compile_s is None else compile_s
-    calibrated = table.get(task, {}).get(level)
-    c = policy.uncalibrated_compile_s if calibrated is None else calibrated
+def level_budget(ref, task: str, level: str, policy: BudgetPolicy, calibration: Calibration | None = None,
+                 speed: tuple[float, dict] | None = None) -> tuple[float, dict]:
+    """-> (CPU seconds here, how they were derived) for `level` of `task`. `speed` (speed, detail) is this
+    machine's against the calibration one (grader/speed.py; measured when None and policy.scale)."""
+    cal = load_calibration() if calibration is None else calibration
+    calibrated = cal.oracle_cpu_s.get(task, {}).get(level)
+    o = policy.uncalibrated_cpu_s if calibrated is None else calibrated
     t = torch_seconds(ref, level)
-    seconds = policy.floor_s + policy.compile_margin * c + policy.factor * t
-    return seconds, {"budget_s": seconds, "torch_s": t, "oracle_compile_s": c, "calibrated": calibrated is not None}
+    if speed is None:
+        from grader.speed import machine_speed
+        speed = machine_speed(cal.probe_cpu_s) if policy.scale else (1.0, {"speed": 1.0, "note": "unscaled"})
+    ratio, how = speed
+    seconds = ratio * (policy.headroom * o + policy.factor * t)
+    kill = policy.kill_at(seconds)
+    return seconds, {"budget_cpu_s": seconds, "kill_at_cpu_s": kill, "oracle_cpu_s": o, "torch_s": t,
+                     "headroom": policy.headroom, "factor": policy.factor, "calibrated": calibrated is not None,
+                     "calibrated_on": cal.measured_on, **how,
+                     "rule": f"{ratio:.3f} x ({policy.headroom:g} x oracle {o:.1f} CPU-s + {policy.factor:g} x torch "
+                             f"{t:.1f} s) = {seconds:.1f} CPU-s"}
 
 
 # ---- calibration -----------------------------------------------------------------------------------------
 
-def calibrate(tasks: list[str], runs: int = 2, quiet: bool = False) -> dict[str, dict[str, float]]:
-    """Grade the repo's oracle at L5/L6 `runs` times per task (each child compiles from cold) -> the largest
-    compile seconds per level."""
+def calibrate(tasks: list[str], runs: int = 2, quiet: bool = False) -> dict[str, dict[str, dict[str, float]]]:
+    """Grade the repo's oracle at L5/L6 `runs` times per task (each child starts and compiles from cold) ->
+    {"oracle_cpu_s": the largest CPU seconds of each level's child on the grader's clock, "compile_s": the
+    largest compile seconds}, per task and level."""
     from grader.app import grade
     from recorder.app import compose_task
     import tempfile
 
-    out = {}
+    out = {"oracle_cpu_s": {}, "compile_s": {}}
+    unbounded = BudgetPolicy(uncalibrated_cpu_s=3600.0, scale=False)
     for task in tasks:
         cfg = compose_task(task)
-        worst: dict[str, float] = {}
+        cpu: dict[str, float] = {}
+        comp: dict[str, float] = {}
         for _ in range(runs):
             with tempfile.TemporaryDirectory(prefix="t2j-calibrate-") as tmp:
                 report = grade(cfg, ROOT, ROOT / "references", Path(tmp), quiet=True, levels=TIMED_LEVELS,
-                               measure_compile=True, budget=BudgetPolicy(uncalibrated_compile_s=600.0))
+                               measure_compile=True, budget=unbounded, calibration=Calibration({}, None))
             failed = [c["name"] for c in report["checks"] if c["level"] in TIMED_LEVELS and c["score"] < c["bar"]]
             if failed:
                 raise RuntimeError(f"{task}: the oracle fails {failed} while calibrating: fix that first")
+            for level, b in report["budgets"].items():
+                if b.get("used_cpu_s") is not None:
+                    cpu[level] = max(cpu.get(level, 0.0), b["used_cpu_s"])
             for level, s in report["compile_seconds"].items():
-                worst[level] = max(worst.get(level, 0.0), s)
-        out[task] = {lv: round(s, 2) for lv, s in sorted(worst.items())}
+                comp[level] = max(comp.get(level, 0.0), s)
+        out["oracle_cpu_s"][task] = {lv: round(s, 2) for lv, s in sorted(cpu.items())}
+        out["compile_s"][task] = {lv: round(s, 2) for lv, s in sorted(comp.items())}
         if not quiet:
-            print(f"{task}: oracle compile seconds {out[task]}", flush=True)
+            print(f"{task}: oracle CPU seconds {out['oracle_cpu_s'][task]}, compile {out['compile_s'][task]}",
+                  flush=True)
     return out
 
 
-def write_budgets(table: dict[str, dict[str, float]], path: Path = BUDGETS) -> None:
-    merged = {**load_compile_seconds(path), **table}
+def write_budgets(tables: dict[str, dict[str, dict[str, float]]], probe_cpu_s: float, path: Path = BUDGETS) -> None:
+    old = load_calibration(path)
+    if set(old.oracle_cpu_s) <= set(tables["oracle_cpu_s"]):  # every task measured here: a new machine's table
+        old = Calibration({}, None, None, {})
+    if old.probe_cpu_s is not None and abs(old.probe_cpu_s - probe_cpu_s) > 0.25 * old.probe_cpu_s:
+        raise RuntimeError(f"the speed probe here ({probe_cpu_s:.2f} CPU-s) is not the one the table's other tasks "
+                           f"were calibrated beside ({old.probe_cpu_s:.2f}): calibrate every task here at once")
+    merged_cpu = {**old.oracle_cpu_s, **tables["oracle_cpu_s"]}
+    merged_compile = {**(old.compile_s or {}), **tables["compile_s"]}
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    header = ("# The JAX oracle's compile seconds per task and timed level (grader/budget.py), measured by\n"
-              "# `make calibrate` on the machine that records the references; rerun it there after changing\n"
-              "# what the oracle compiles.\n")
-    body = {"measured_on": f"{platform.machine()}, {_cpu_count()} cores", "commit": rev.strip() or None,
-            "compile_s": {t: merged[t] for t in sorted(merged)}}
+    header = ("# The L5/L6 calibration (grader/budget.py), measured by `make calibrate` on the kind of machine that\n"
+              "# records the references; rerun it after changing what the oracle runs or compiles.\n"
+              "# oracle_cpu_s: CPU seconds of the oracle's level child, its whole process tree, on the grader's\n"
+              "# clock (grader/clock.py); speed_probe_cpu_s: grader/speed.py's probe on the same machine, which\n"
+              "# every budget is scaled against at grade time; compile_s: the oracle's compile seconds (informative).\n")
+    body = {"measured_on": _machine(), "commit": rev.strip() or None,
+            "speed_probe_cpu_s": round(probe_cpu_s if old.probe_cpu_s is None else old.probe_cpu_s, 3),
+            "oracle_cpu_s": {t: merged_cpu[t] for t in sorted(merged_cpu)},
+            "compile_s": {t: merged_compile[t] for t in sorted(merged_compile)}}
     path.write_text(header + yaml.safe_dump(body, sort_keys=False))
+
+
+def _machine() -> str:
+    model = ""
+    try:
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return f"{platform.machine()}, {_cpu_count()} cores{', ' + model if model else ''}"
 
 
 def _cpu_count() -> int:
@@ -118,9 +189,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("tasks", nargs="*", help="tasks to calibrate (default: every recorded task)")
     p.add_argument("--runs", type=int, default=2)
     args = p.parse_args(argv)
-    table = calibrate(args.tasks or recorded_tasks(), runs=args.runs)
-    write_budgets(table)
-    print(f"wrote {BUDGETS.relative_to(ROOT)} ({len(table)} tasks)")
+    from grader.speed import probe_cpu_seconds
+    probe = min(probe_cpu_seconds(5))  # as grader/speed.py reads it: the quickest run
+    print(f"speed probe: {probe:.3f} CPU-s", flush=True)
+    tables = calibrate(args.tasks or recorded_tasks(), runs=args.runs)
+    write_budgets(tables, probe)
+    print(f"wrote {BUDGETS.relative_to(ROOT)} ({len(tables['oracle_cpu_s'])} tasks)")
 
 
 if __name__ == "__main__":

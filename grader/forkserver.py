@@ -126,8 +126,10 @@ class ForkServer:
                 slot["event"].set()
 
     def run(self, *, path: list[str], cwd: str, env: dict[str, str], entry: str, inputs: str, outputs: str,
-            stdout: str, stderr: str, timeout_s: float) -> int | None:
-        """Run one child; -> its exit code (negative: the signal), or None past timeout_s (its session is killed)."""
+            stdout: str, stderr: str, limits) -> tuple[int | None, object]:
+        """Run one child kept to `limits` (grader/clock.py) on the grader's clock; -> (its exit code, negative for
+        a signal, or None where it was killed at a limit; its clock.Usage)."""
+        from grader import clock
         with self._lock:
             self._next += 1
             rid = self._next
@@ -138,14 +140,17 @@ class ForkServer:
             self._proc.stdin.flush()
         try:
             slot["started"].wait()
-            if slot["event"].wait(timeout_s):
-                return slot["status"]
-            try:
-                os.killpg(slot["pid"], signal.SIGKILL)
-            except (ProcessLookupError, KeyError):
-                pass
-            slot["event"].wait()
-            return None
+            if "pid" not in slot:  # the server died before it forked
+                return slot.get("status", -9), clock.Usage(0.0, 0.0, None, "procfs")
+            usage = clock.watch_pid(slot["pid"], limits, slot["event"])
+            if usage.exceeded:
+                try:
+                    os.killpg(slot["pid"], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                slot["event"].wait()
+                return None, usage
+            return slot["status"], usage
         finally:
             with self._lock:
                 self._waiting.pop(rid, None)

@@ -25,10 +25,10 @@ so nothing outside the tree rides along.
 from __future__ import annotations
 
 import ast
+import math
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from grader import _guard, pysource, sandbox
+from grader import _guard, clock, pysource, sandbox
 
 __all__ = ["FORBIDDEN", "MIRROR_PACKAGES", "SandboxResult", "candidate_packages", "run_import_linter",
            "run_sandboxed", "static_scan"]
@@ -302,6 +302,15 @@ class SandboxResult:
     stdout_tail: str
     stderr_tail: str = ""
     outputs: Path | None = None  # the file the child wrote, on the grader's side: read it as untrusted
+    usage: clock.Usage | None = None  # the child tree's CPU and wall seconds on the grader's clock
+    limits: clock.Limits | None = None  # what it was kept to
+
+    @property
+    def timeout_detail(self) -> str | None:
+        """Which limit the grader killed the child at, in words (None unless reason is "timeout")."""
+        if self.reason != "timeout":
+            return None
+        return (self.usage.reason(self.limits) if self.usage and self.limits else None) or "timeout"
 
 
 _BOOTSTRAP = """\
@@ -467,7 +476,7 @@ def run_sandboxed(candidate_root: str | Path, entry: str, inputs_dir: str | Path
                   timeout_s: float, *, inputs_name: str = "inputs.h5", outputs_name: str = "outputs.npz",
                   include: tuple[str, ...] = (), jax_platforms: str | None = "cpu", trusted: bool = False,
                   deny_read: tuple[str | Path, ...] = (), compile_cache: str | Path | None = None,
-                  forkserver=None) -> SandboxResult:
+                  forkserver=None, cpu_limit_s: float = math.inf) -> SandboxResult:
     """Run `entry(inputs_path, outputs_path)` ("module:function") of a copy of the candidate.
 
     Sealed (the default): the verifier interpreter inside bubblewrap (grader/sandbox.py), seeing
@@ -479,8 +488,10 @@ def run_sandboxed(candidate_root: str | Path, entry: str, inputs_dir: str | Path
     repo and of the candidate are refused by the guard's audit hook.
 
     Either way the child runs `-I` with the guard installed first (forbidden imports and socket
-    connections fail with precise reasons), in its own session; past `timeout_s` its whole group
-    (under bwrap: its PID namespace) is killed and the reason is "timeout". JAX_PLATFORMS is set
+    connections fail with precise reasons), in its own session (and cgroup, grader/clock.py). The grader
+    keeps its limits on its own clock: past `timeout_s` wall seconds, or past `cpu_limit_s` CPU seconds of
+    the child's whole process tree, the tree is killed and the reason is "timeout" (`timeout_detail` says
+    which limit, `usage` what it used). JAX_PLATFORMS is set
     to `jax_platforms` (None keeps the caller's). `include` names extra top-level paths of the
     candidate to copy (data such as configs/). `outputs_dir` must be an empty directory; a run that
     exits 0 without writing its file fails with reason "no output". `result.outputs` is that file,
@@ -510,18 +521,21 @@ def run_sandboxed(candidate_root: str | Path, entry: str, inputs_dir: str | Path
         else:
             cmd, env, cwd, pass_fds = _sealed_command(*args, cache, tmp)
         out_log, err_log = tmp / "stdout.log", tmp / "stderr.log"
+        limits = clock.Limits(cpu_s=cpu_limit_s, wall_s=timeout_s)
         start = time.perf_counter()
         if forkserver is not None:
             boot, grader_parent, copy = staged
-            returncode = forkserver.run(path=[str(boot), str(grader_parent), str(copy)], cwd=str(copy), env=env,
-                                        entry=entry, inputs=str(inputs_dir / inputs_name),
-                                        outputs=str(outputs_dir / outputs_name), stdout=str(out_log),
-                                        stderr=str(err_log), timeout_s=timeout_s)
+            returncode, usage = forkserver.run(path=[str(boot), str(grader_parent), str(copy)], cwd=str(copy),
+                                               env=env, entry=entry, inputs=str(inputs_dir / inputs_name),
+                                               outputs=str(outputs_dir / outputs_name), stdout=str(out_log),
+                                               stderr=str(err_log), limits=limits)
         else:
-            returncode = _popen_wait(cmd, cwd, env, pass_fds, out_log, err_log, timeout_s)
+            with open(out_log, "wb") as out, open(err_log, "wb") as err:
+                returncode, usage = clock.run_tree(cmd, cwd=cwd, env=env, pass_fds=pass_fds, stdout=out, stderr=err,
+                                                   limits=limits)
         seconds = time.perf_counter() - start
         stdout, stderr = _read_end(out_log), _read_end(err_log)
-    return _result(returncode, stdout, stderr, seconds, outputs_dir / outputs_name)
+    return _result(returncode, stdout, stderr, seconds, outputs_dir / outputs_name, usage, limits)
 
 
 def fork_server_env(compile_cache: str | Path | None = None, jax_platforms: str = "cpu") -> dict[str, str]:
@@ -534,29 +548,7 @@ def fork_server_env(compile_cache: str | Path | None = None, jax_platforms: str 
     return env
 
 
-def _popen_wait(cmd, cwd, env, pass_fds, out_log, err_log, timeout_s) -> int | None:
-    """Popen the child in its own session; -> its exit code, or None past timeout_s (its group killed)."""
-    with open(out_log, "wb") as out, open(err_log, "wb") as err:
-        # own session: on timeout the whole group goes, including anything the entry spawned
-        try:
-            proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                                    stdout=out, stderr=err, start_new_session=True, pass_fds=pass_fds)
-        finally:
-            for fd in pass_fds:
-                os.close(fd)
-        try:
-            returncode = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:  # it finished in the meantime
-                pass
-            returncode = None
-            proc.wait()
-    return returncode
-
-
-def _result(returncode, stdout, stderr, seconds, produced) -> SandboxResult:
+def _result(returncode, stdout, stderr, seconds, produced, usage=None, limits=None) -> SandboxResult:
     if returncode is None:
         reason = "timeout"
     elif returncode != 0:
@@ -566,4 +558,4 @@ def _result(returncode, stdout, stderr, seconds, produced) -> SandboxResult:
     else:
         reason = None
     return SandboxResult(reason is None, reason, seconds, _tail(stdout), _tail(stderr),
-                         produced if os.path.lexists(produced) else None)
+                         produced if os.path.lexists(produced) else None, usage, limits)

@@ -114,9 +114,25 @@ def summary_rows(reports: list[dict]) -> list[dict]:
             "mean_digits": r.get("mean_digits"),
             "failing": failing,
             "wall_s": r.get("wall_s"),
+            "timed": _slowest_timed(r),
             "notes": notes,
         })
     return rows
+
+
+def _slowest_timed(report: dict) -> dict | None:
+    """The timed level (L5, L6) whose child came closest to its budget, on the grader's clock."""
+    levels = [(lv, b) for lv, b in (report.get("budgets") or {}).items()
+              if b.get("used_cpu_s") is not None and b.get("budget_cpu_s")]
+    if not levels:
+        return None
+    lv, b = max(levels, key=lambda x: x[1]["used_cpu_s"] / x[1]["budget_cpu_s"])
+    return {"level": lv, "used_cpu_s": b["used_cpu_s"], "budget_cpu_s": b["budget_cpu_s"],
+            "fraction": b["used_cpu_s"] / b["budget_cpu_s"]}
+
+
+def _timed_cell(t: dict | None) -> str:
+    return "" if not t else f"{t['level']} {t['used_cpu_s']:.1f}/{t['budget_cpu_s']:.1f} ({t['fraction']:.2f})"
 
 
 # ---------------------------------------------------------------- markdown
@@ -131,13 +147,13 @@ def _md_cell(score: float | None) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    head = ["task", "reward", "strict", "digits", *LEVELS, "failing", "seconds", "notes"]
+    head = ["task", "reward", "strict", "digits", *LEVELS, "failing", "seconds", "slowest timed CPU-s/budget", "notes"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
     for row in rows:
         cells = [row["task"], "ERROR" if row["error"] else _md_cell(row["reward"]), _earned(row["earned_levels"]),
                  _figure(row, "mean_digits"),
                  *(_md_cell(row["levels"][lv]) for lv in LEVELS), str(len(row["failing"])),
-                 _seconds(row["wall_s"]),
+                 _seconds(row["wall_s"]), _timed_cell(row.get("timed")),
                  "; ".join(row["notes"]).replace("|", "/")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

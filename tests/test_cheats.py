@@ -579,28 +579,73 @@ def test_run_probes_limits_each_check_and_keeps_going(tmp_path):
     assert errors["L1/crash"].startswith("crash: ZeroDivisionError")
 
 
-def test_a_timed_level_shares_one_budget_from_the_childs_start(tmp_path):
-    """L5 checks share time_budget_s, setup included, not check_timeout_s: a slow first check leaves the
-    next one what is left; once it is spent, the rest fail without running; a quick check before it passes."""
+def _burn(seconds: float) -> None:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def test_a_timed_level_shares_one_cpu_budget_from_the_childs_start(tmp_path):
+    """L5 checks share time_budget_s CPU seconds, setup included, not check_timeout_s: a slow first check
+    leaves the next one what is left; once it is spent, the rest fail without running; a quick check before
+    it passes. Sleeping costs no CPU: the wall-clock backstop is the grader's (tests/test_clock.py)."""
     inputs, outputs = tmp_path / "in.h5", tmp_path / "out.npz"
     checks = ["L5/quick", "L5/slow", "L5/after"]
     write_arrays(inputs, {}, attrs={"meta": {"checks": checks, "check_timeout_s": 0.1, "time_budget_s": 1.5}})
     ran = []
 
     def make_ctx(meta):
-        time.sleep(0.5)  # the candidate's setup counts
+        _burn(0.5)  # the candidate's setup counts
 
     def quick(ctx, inp):
         time.sleep(0.3)  # past check_timeout_s, within the budget: L5 is not limited per check
+        _burn(0.3)
         return {"y": np.ones(1)}
 
-    probes = {"quick": quick, "slow": lambda ctx, inp: time.sleep(10),
+    probes = {"quick": quick, "slow": lambda ctx, inp: _burn(10),
               "after": lambda ctx, inp: ran.append(1) or {"y": np.ones(1)}}
-    run_probes(inputs, outputs, make_ctx, probes)
+    run_probes(inputs, outputs, make_ctx, probes, cpu_origin=time.process_time())
     groups, errors, seconds = read_outputs(outputs, checks)
     assert set(groups) == {"L5/quick"}, errors
-    assert errors["L5/slow"].startswith("timeout") and 0.5 <= seconds["L5/slow"] < 1.5, (errors, seconds)
+    assert errors["L5/slow"].startswith("timeout") and "CPU-s" in errors["L5/slow"], errors
+    assert 0.4 <= seconds["L5/slow"] < 1.5, (errors, seconds)
     assert errors["L5/after"].startswith("timeout: the L5 budget") and not ran
+
+
+# A candidate that stops every clock and timer it can reach inside its child (time.*, the interval timers,
+# the signal handlers) and then runs past its L5 budget: the grader's clock is outside it.
+STOP_CLOCKS = """
+import signal as _s, time as _t
+_t.process_time = _t.perf_counter = _t.monotonic = _t.time = lambda: 0.0
+_s.setitimer = lambda *a, **k: (0.0, 0.0)
+_s.signal(_s.SIGPROF, _s.SIG_IGN)
+_s.signal(_s.SIGALRM, _s.SIG_IGN)
+"""
+RUN_STEPS_DEF = "def _run_steps(model: CausalLM, lora, tx, steps, pad_token_id: int, shape) -> tuple[list[float], dict]:\n"
+
+
+@pytest.mark.parametrize("how, kind", [("burns CPU", "CPU-s"), ("sleeps", "wall clock")])
+def test_a_candidate_that_stops_its_own_clock_and_runs_past_its_budget_scores_zero(tmp_path, how, kind):
+    from grader.budget import BudgetPolicy
+    cand = _candidate(tmp_path)
+    tail = "while True:\n    pass\n" if how == "burns CPU" else \
+        "__import__('select').select([], [], [], 1000)\n"
+    _plant(cand, "jax_oracles/training/sft.py", RUN_STEPS_DEF, STOP_CLOCKS + tail)
+    # a budget of about what the oracle itself takes, its wall backstop the same: the test stays short
+    policy = BudgetPolicy(headroom=1.0, factor=1.0, wall_factor=1.0, wall_slack_s=5.0, scale=False)
+    started = time.monotonic()
+    report = _grade(cand, tmp_path, ("L5",), budget=policy)
+    checks = _by_name(report, "L5")
+    b = report["budgets"]["L5"]
+    for name in ("e2e_step_losses", "e2e_adapter", "e2e_eval_loss"):
+        assert checks[name]["score"] == 0.0, checks[name]
+        assert checks[name]["reason"].startswith("timeout") and "grader's" in checks[name]["reason"], checks[name]
+        assert kind in checks[name]["reason"], checks[name]
+    if how == "burns CPU":
+        assert b["kill_at_cpu_s"] <= b["used_cpu_s"] < b["kill_at_cpu_s"] + 3, b
+    else:
+        assert b["wall_limit_s"] <= b["used_wall_s"] < b["wall_limit_s"] + 5 and b["used_cpu_s"] < b["budget_cpu_s"], b
+    assert time.monotonic() - started < 120
 
 
 # ---------------------------------------------------------------- (e) NaN

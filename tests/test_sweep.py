@@ -340,3 +340,35 @@ def test_the_fork_server_runs_trusted_children_behind_the_guard_with_timeouts(tm
         assert not res.ok and res.reason == "timeout" and res.seconds < 20
         with pytest.raises(ValueError, match="trusted code only"):
             gate.run_sandboxed(cand, "jax_oracles.entry:main", inputs, tmp_path / "none", 2.0, forkserver=server)
+
+
+def test_a_clean_baseline_below_its_ceiling_is_refused_regraded_and_never_cached(monkeypatch, tmp_path):
+    """A clean grading with a check under its strict bar (a timeout on a loaded machine) is graded again;
+    one that reaches its ceiling is cached; one that never does raises BaselineError and caches nothing."""
+    from grader.h5schema import read_reference
+    from recorder.app import compose_task
+    cfg, ref = compose_task("llama3-sft"), read_reference(ROOT / "references" / "llama3-sft.h5")
+    good = _fake_base({})["clean"]
+    good = [dict(c, bar=1.0 if c["aspect"] == "spec" else 0.999) for c in good]
+    slow = [dict(c, score=0.0, reason="timeout: the child's process tree used 9.9 CPU-s > 9.0 CPU-s")
+            if c["name"] == "c0" and c["level"] == "L2" else c for c in good]
+    gradings = []
+
+    def fake_grade(cfg, candidate, report_dir, levels, compile_cache=None, **kw):
+        gradings.append(report_dir.name)
+        checks = slow if len(gradings) <= 2 or plan == "never" else good
+        return {"checks": checks, "reward": 0.9, "earned_levels": 1, "gated": None}
+
+    monkeypatch.setattr(sweep, "_grade", fake_grade)
+    assert sweep.below_ceiling({"checks": good}) == [] and "L2/c0 0.000000 (timeout" in \
+        sweep.below_ceiling({"checks": slow})[0]
+    plan = "once"
+    base = sweep.task_baseline("llama3-sft", cfg, ref, ("L2",), tmp_path / "cache", tmp_path, None, impact="off",
+                               progress=lambda m: None)
+    assert len(gradings) == 4 and base["clean"] == good  # the first pair refused, the second kept
+    assert list((tmp_path / "cache").rglob("baseline.json"))
+    plan, gradings[:] = "never", []
+    with pytest.raises(sweep.BaselineError, match="below its ceiling"):
+        sweep.task_baseline("llama3-sft", cfg, ref, ("L2",), tmp_path / "cache2", tmp_path, None, impact="off",
+                            progress=lambda m: None)
+    assert len(gradings) == 2 * sweep.BASELINE_ATTEMPTS and not list((tmp_path / "cache2").rglob("baseline.json"))

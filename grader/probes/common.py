@@ -1,8 +1,12 @@
 """The sandboxed child's driver: read the inputs-only file, run each check's probe, write outputs.
 
-Every probe runs under a wall-clock limit of its own (SIGALRM in the main thread), so a
+Every L0-L4 probe runs under a wall-clock limit of its own (SIGALRM in the main thread), so a
 Python-level hang costs that check only and the rest of the group still runs; a hang inside C
 code never returns to the interpreter, and the group's process timeout (grader/app.py) kills it.
+L5/L6 checks share their level's budget in CPU seconds of this process (time.process_time, SIGPROF),
+the clock the grader keeps the whole process tree to from outside (grader/clock.py): stopping
+here at the budget is what lets an honest child keep the checks it finished in time. These limits
+are the child's own, so a candidate can stop them; the verdict is the grader's clock, never these.
 """
 from __future__ import annotations
 
@@ -34,49 +38,53 @@ class CheckTimeout(BaseException):
 
 
 class _Alarm:
-    """One wall-clock limit at a time on SIGALRM; a no-op where signals are unavailable."""
+    """One limit at a time: wall-clock on SIGALRM, or this process's CPU time on SIGPROF; a no-op where
+    signals are unavailable."""
 
     def __init__(self):
         self.usable = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
         self.armed = False
         self.fired = False
         self.limit = math.inf
+        self.cpu = False
 
     def _on_alarm(self, signum, frame):
         if self.armed:  # a late alarm after disarm() is ignored
             self.fired = True
             raise CheckTimeout(f"past {self.limit:.1f} s")
 
-    def arm(self, limit: float) -> None:
-        self.fired, self.limit = False, limit
+    def arm(self, limit: float, cpu: bool = False) -> None:
+        self.fired, self.limit, self.cpu = False, limit, cpu
         if self.usable and math.isfinite(limit) and limit > 0:
-            signal.signal(signal.SIGALRM, self._on_alarm)  # again each time: a probe may have replaced it
+            sig, timer = (signal.SIGPROF, signal.ITIMER_PROF) if cpu else (signal.SIGALRM, signal.ITIMER_REAL)
+            signal.signal(sig, self._on_alarm)  # again each time: a probe may have replaced it
             self.armed = True
-            signal.setitimer(signal.ITIMER_REAL, limit, _REPEAT_S)
+            signal.setitimer(timer, limit, _REPEAT_S)
 
     def disarm(self) -> None:
         self.armed = False  # first: an alarm landing from here on is ignored
         if self.usable:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.setitimer(signal.ITIMER_PROF if self.cpu else signal.ITIMER_REAL, 0)
 
-    def run(self, limit, fn, *args):
-        """fn(*args) under `limit` seconds: (value, error reason or None)."""
+    def run(self, limit, fn, *args, cpu: bool = False):
+        """fn(*args) under `limit` seconds (of CPU with `cpu`): (value, error reason or None)."""
+        unit = "CPU-s" if cpu else "s"
         try:
             try:
-                self.arm(limit)
+                self.arm(limit, cpu)
                 value = fn(*args)
             finally:
                 self.disarm()
         except CheckTimeout:
             self.disarm()  # the alarm may have landed inside the finally above, before the disarm
-            return None, f"timeout: past the {limit:.1f} s limit"
+            return None, f"timeout: past the {limit:.1f} {unit} limit"
         except Exception as e:
             traceback.print_exc()
             if self.fired:  # candidate code caught the alarm and raised something else
-                return None, f"timeout: past the {limit:.1f} s limit"
+                return None, f"timeout: past the {limit:.1f} {unit} limit"
             return None, _reason(e)
         if self.fired:  # it caught the alarm and returned anyway
-            return None, f"timeout: past the {limit:.1f} s limit"
+            return None, f"timeout: past the {limit:.1f} {unit} limit"
         return value, None
 
 
@@ -93,18 +101,20 @@ def _reason(e: Exception) -> str:
 
 def check_limit(meta: dict, level: str) -> float:
     """The wall-clock limit of one L0-L4 check: meta["check_timeout_s"] (default 120 s). L5/L6 checks share
-    their level's time budget meta["time_budget_s"] instead (run_probes)."""
+    their level's CPU budget meta["time_budget_s"] instead (run_probes)."""
     if level in ("L5", "L6"):
         return float(meta.get("time_budget_s", math.inf))
     return float(meta.get("check_timeout_s", DEFAULT_CHECK_TIMEOUT_S))
 
 
-def run_probes(inputs_path, outputs_path, make_ctx, probes):
+def run_probes(inputs_path, outputs_path, make_ctx, probes, cpu_origin: float = 0.0):
     """A probe that raises or hangs fails its own check (with the reason), never the run. L5/L6 checks share
-    one time budget, meta["time_budget_s"], from the child's start (setup included): each runs under what is
-    left of it, and a check that ends past it fails as 'timeout' (too slow counts as wrong), as does every
-    check after it. A context that cannot be made (the candidate's module does not import) fails every check
-    with that reason."""
+    one budget, meta["time_budget_s"] CPU seconds of this process from its start (interpreter, imports and
+    setup included, as the grader's clock counts them): each runs under what is left of it, and a check that
+    ends past it fails as 'timeout' (too slow counts as wrong), as does every check after it. A context that
+    cannot be made (the candidate's module does not import) fails every check with that reason. `cpu_origin`:
+    where this process's CPU clock counts from (0: its start; a test driving this in its own process passes
+    time.process_time())."""
     groups, attrs = read_arrays(inputs_path)
     meta = attrs["meta"]
     # asset paths are relative to the inputs directory: the sandbox mounts it where the grader cannot know
@@ -115,12 +125,13 @@ def run_probes(inputs_path, outputs_path, make_ctx, probes):
     keys = list(meta["checks"])
     cov = _start_coverage() if meta.get("coverage") else None
     compile_clock = _CompileClock() if meta.get("measure_compile") else None
-    child_started = started = time.perf_counter()
+    started = time.perf_counter()
     timed = lambda key: key.split("/", 1)[0] in ("L5", "L6")  # noqa: E731
-    left = lambda: budget - (time.perf_counter() - child_started)  # noqa: E731
-    setup_limit = min(left() if timed(k) else check_limit(meta, k.split("/", 1)[0]) for k in keys) if keys \
+    left = lambda: budget - (time.process_time() - cpu_origin)  # noqa: E731  CPU of this process since it started
+    any_timed = any(timed(k) for k in keys)
+    setup_limit = (left() if any_timed else min(check_limit(meta, k.split("/", 1)[0]) for k in keys)) if keys \
         else math.inf
-    ctx, setup_error = alarm.run(setup_limit, make_ctx, meta)
+    ctx, setup_error = alarm.run(setup_limit, make_ctx, meta, cpu=any_timed)
     if setup_error is not None:
         seconds = time.perf_counter() - started
         write_outputs(outputs_path, {}, {k: f"setup: {setup_error}"[:500] for k in keys}, {k: seconds for k in keys},
@@ -133,19 +144,19 @@ def run_probes(inputs_path, outputs_path, make_ctx, probes):
         if compile_clock is not None:
             compile_clock.key = key
         if timed(key) and left() <= 0:
-            value, error = None, f"timeout: the {level} budget of {budget:.1f} s was spent before this check"
+            value, error = None, f"timeout: the {level} budget of {budget:.1f} CPU-s was spent before this check"
         elif name not in probes:
             value, error = None, f"crash: the grader has no probe for {name!r}"
         else:
             value, error = alarm.run(left() if timed(key) else check_limit(meta, level), probes[name], ctx,
-                                     groups.get(key, {}))
+                                     groups.get(key, {}), cpu=timed(key))
         if error is None:
             outputs[key] = value
         else:
             errors[key] = error
         seconds[key] = time.perf_counter() - started
         if timed(key) and left() < 0 and key not in errors:
-            errors[key] = f"timeout: {level} took {budget - left():.1f} s > budget {budget:.1f} s"
+            errors[key] = f"timeout: {level} took {budget - left():.1f} CPU-s > budget {budget:.1f} CPU-s"
             outputs.pop(key, None)
     write_outputs(outputs_path, outputs, errors, seconds, coverage=_stop_coverage(cov),
                   compile_seconds=_compile_seconds(compile_clock, keys))

@@ -1,0 +1,137 @@
+"""The grader's clock (grader/clock.py): a child's whole process tree, counted and ended from outside.
+
+Each test runs under both meters: the cgroup the grader makes where it can, and the /proc walk it falls
+back to (T2J_CLOCK=procfs)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from grader import clock
+
+BURN = "import time\nend = time.process_time() + {s}\nwhile time.process_time() < end: pass\n"
+
+
+@pytest.fixture(params=["auto", "procfs"])
+def meter(request, monkeypatch):
+    if request.param == "procfs":
+        monkeypatch.setenv("T2J_CLOCK", "procfs")
+    return request.param
+
+
+def _run(code: str, tmp_path, limits=clock.Limits()):
+    with open(tmp_path / "log", "wb") as log:
+        return clock.run_tree([sys.executable, "-c", textwrap.dedent(code)], cwd=tmp_path, env=dict(os.environ),
+                              stdout=log, stderr=log, limits=limits)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_cpu_of_children_and_grandchildren_counts(meter, tmp_path):
+    code = BURN.format(s=0.6) + textwrap.dedent("""
+        import os, subprocess, sys
+        if os.fork() == 0:  # a child that leaves its session, and a grandchild of its own
+            os.setsid()
+            subprocess.run([sys.executable, "-c", "import time\\nend = time.process_time() + 0.6\\n"
+                            "while time.process_time() < end: pass"])
+            os._exit(0)
+        os.wait()
+        """)
+    code_rc, usage = _run(code, tmp_path)
+    assert code_rc == 0 and usage.exceeded is None
+    assert 1.1 <= usage.cpu_s < 3.0, usage
+    assert usage.meter == ("procfs" if meter == "procfs" else clock.meter_kind())
+
+
+def test_past_its_cpu_limit_the_tree_is_killed(meter, tmp_path):
+    started = time.monotonic()
+    rc, usage = _run(BURN.format(s=30), tmp_path, clock.Limits(cpu_s=0.8, wall_s=60))
+    assert rc is None and usage.exceeded == "cpu" and 0.8 <= usage.cpu_s < 2.0, usage
+    assert time.monotonic() - started < 10
+    assert "CPU-s" in usage.reason(clock.Limits(cpu_s=0.8)) and "grader's clock" in usage.reason(clock.Limits())
+
+
+def test_a_sleeper_is_killed_on_the_wall_clock(meter, tmp_path):
+    rc, usage = _run("import time\ntime.sleep(60)\n", tmp_path, clock.Limits(cpu_s=30, wall_s=1.5))
+    assert rc is None and usage.exceeded == "wall" and 1.5 <= usage.wall_s < 5 and usage.cpu_s < 1.0, usage
+
+
+def test_a_tree_that_ignores_sigterm_and_leaves_its_session_goes_whole(meter, tmp_path):
+    """The child ignores SIGTERM, forks a grandchild that calls setsid and spins; past the limit both die."""
+    pids = tmp_path / "pids"
+    code = f"""
+        import os, signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        pid = os.fork()
+        if pid == 0:
+            os.setsid()
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            while True:
+                pass
+        open({str(pids)!r}, "w").write(f"{{os.getpid()}} {{pid}}")
+        while True:
+            pass
+        """
+    rc, usage = _run(code, tmp_path, clock.Limits(cpu_s=1.0, wall_s=30))
+    assert rc is None and usage.exceeded == "cpu", usage
+    time.sleep(0.2)
+    survivors = [int(p) for p in pids.read_text().split() if _alive(int(p))]
+    assert survivors == [], survivors
+
+
+def test_a_daemon_left_behind_by_a_finished_child_is_ended(tmp_path):
+    """Only where the grader has a cgroup: the /proc walk cannot follow a process reparented to init."""
+    if clock.meter_kind() == "procfs":
+        pytest.skip("no cgroup can be made here: the /proc walk loses an orphan reaped by init")
+    pid_file = tmp_path / "pid"
+    code = f"""
+        import os, time
+        if os.fork() == 0:
+            if os.fork() == 0:
+                os.setsid()
+                open({str(pid_file)!r}, "w").write(str(os.getpid()))
+                time.sleep(300)
+            os._exit(0)
+        time.sleep(0.5)
+        """
+    rc, usage = _run(code, tmp_path, clock.Limits(cpu_s=30, wall_s=30))
+    assert rc == 0 and usage.exceeded is None
+    time.sleep(0.2)
+    assert not _alive(int(pid_file.read_text()))
+
+
+def test_cpu_seconds_do_not_grow_with_other_processes_load(meter, tmp_path):
+    """The same work, idle and beside two CPU-bound processes on this machine: the wall clock stretches,
+    the CPU seconds the grader counts do not (within scheduling noise)."""
+    work = "total = 0\nfor i in range(6_000_000):\n    total += i % 7\n"
+    _, idle = _run(work, tmp_path)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        _, loaded = _run(work, tmp_path)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    assert loaded.cpu_s < 1.35 * idle.cpu_s + 0.1, (idle, loaded)
+    assert loaded.wall_s > 1.3 * idle.wall_s or (os.cpu_count() or 1) > 2, (idle, loaded)
+
+
+def test_watch_pid_keeps_a_running_process_to_its_limits(meter, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", BURN.format(s=30)], start_new_session=True)
+    finished = threading.Event()
+    threading.Thread(target=lambda: (proc.wait(), finished.set()), daemon=True).start()
+    usage = clock.watch_pid(proc.pid, clock.Limits(cpu_s=0.8, wall_s=30), finished)
+    assert usage.exceeded == "cpu", usage
+    assert proc.wait(timeout=10) != 0
