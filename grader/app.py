@@ -14,7 +14,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from grader import gate, heldout, sandbox
+from grader import contents, gate, heldout, sandbox
 from grader.budget import TIMED_LEVELS, BudgetPolicy, Calibration, level_budget, load_calibration
 from grader.checks import checks_for
 from grader.coverage import merge as merge_coverage
@@ -49,6 +49,15 @@ def _asset_paths(cfg) -> dict[str, str]:
     if "reward_model" in cfg.get("method", {}):
         paths["reward_model"] = cfg.method.reward_model
     return paths
+
+
+def child_caps(cfg) -> "gate.clock.Limits":
+    """What each child may take (grader/gate.py DEFAULT_CAPS), its memory raised with the checkpoint it
+    loads: 4 GiB + 6 x its bytes on disk (a bf16 release upcast to fp32, converted, and its activations)."""
+    from dataclasses import replace
+    ckpt = ROOT / _asset_paths(cfg)["checkpoint"]
+    size = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file()) if ckpt.is_dir() else 0
+    return replace(gate.DEFAULT_CAPS, memory_bytes=max(gate.DEFAULT_CAPS.memory_bytes, 4 * 2**30 + 6 * size))
 
 
 def _task_meta(cfg) -> dict:
@@ -113,7 +122,7 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
           only_checks: tuple[str, ...] | None = None, trusted: bool = False, compile_cache: Path | None = None,
           coverage: bool = False, measure_compile: bool = False,
           groups: tuple[tuple[str, ...], ...] | None = None, forkserver=None,
-          calibration: Calibration | None = None) -> dict:
+          calibration: Calibration | None = None, caps=None) -> dict:
     """Grade `candidate` on the task whose composed config is `cfg` (recorder or grader config).
 
     `levels` restricts the run to some levels (L0's torch_free gate always runs); the reward then
@@ -152,7 +161,7 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
     results: list[Check] = []
     series: dict[str, dict] = {}  # small 1-D outputs (loss trajectories), candidate beside reference, for plots
 
-    offences = gate.static_scan(candidate)
+    offences = gate.static_scan(candidate) + contents.inspect_tree(candidate)  # what it imports, what it carries
     lint_ok, lint_text = gate.run_import_linter(candidate)
     if offences or not lint_ok:
         why = "independence gate: " + "; ".join(offences or [lint_text.strip().splitlines()[-1] if lint_text
@@ -167,6 +176,8 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
     selected = [s for s in all_specs if s.key in ref.checks and (levels is None or s.level in levels)
                 and (only_checks is None or s.name in only_checks)]
     budgets = _timed_budgets(ref, task, policy, calibration, {s.level for s in selected} & set(TIMED_LEVELS))
+    caps = caps or child_caps(cfg)  # what each child may take from the machine (grader/gate.py DEFAULT_CAPS)
+    children: dict[str, dict] = {}  # per level group: what its child used on the grader's clock
     # training L6 runs on the adapter the candidate's L5 child produced: that check runs whenever L6 does
     # (scored only when selected), and its outputs become L6 inputs, read as untrusted as any output
     wants_adapter = any(s.key in heldout.SCORERS for s in selected) and heldout.ADAPTER_KEY in ref.checks
@@ -206,12 +217,23 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
         if run:
             group_budget = budgets[group[0]][0] if group[0] in TIMED_LEVELS else None
             group_executed = {} if coverage else None
-            produced, errors, seconds, usage = _run_group(
-                candidate, cfg, references, run, inputs, group_budget, timeout, check_timeout_s, trusted,
-                compile_cache, group_executed, compile_seconds, forkserver, cpu_limit)
-            if group[0] in TIMED_LEVELS and usage is not None:
-                budgets[group[0]][1].update(used_cpu_s=round(usage.cpu_s, 3), used_wall_s=round(usage.wall_s, 3),
-                                            meter=usage.meter)
+            parts = _separate(run, ref, group)
+            for i, part in enumerate(parts):  # usually one: checks whose answers others' inputs carry go apart
+                got, failed, took, usage = _run_group(
+                    candidate, cfg, references, part, {s.key: inputs[s.key] for s in part}, group_budget, timeout,
+                    check_timeout_s, trusted, compile_cache, group_executed, compile_seconds, forkserver, cpu_limit,
+                    caps)
+                produced.update(got)
+                errors.update(failed)
+                seconds.update(took)
+                if usage is not None:
+                    children["+".join(group) + (f"#{i + 1}" if len(parts) > 1 else "")] = {
+                        "checks": [s.key for s in part], "cpu_s": round(usage.cpu_s, 3),
+                        "wall_s": round(usage.wall_s, 3), "peak_memory_gib": round(usage.peak_memory_bytes / 2**30, 3),
+                        "peak_tasks": usage.peak_tasks, "meter": usage.meter, "exceeded": usage.exceeded}
+                if group[0] in TIMED_LEVELS and usage is not None:
+                    budgets[group[0]][1].update(used_cpu_s=round(usage.cpu_s, 3),
+                                                used_wall_s=round(usage.wall_s, 3), meter=usage.meter)
             if coverage:
                 merge_coverage(executed, group_executed)
                 executed_by_group["+".join(group)] = group_executed
@@ -229,7 +251,8 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
             results.append(check)
     return _finish(task, candidate, results, ref, report_dir, stale, quiet, series, trusted=trusted,
                    details=details, executed=executed, budgets={lv: b[1] for lv, b in budgets.items()},
-                   compile_seconds=compile_seconds, executed_by_group=executed_by_group)
+                   compile_seconds=compile_seconds, executed_by_group=executed_by_group, children=children,
+                   caps=caps)
 
 
 def _timed_budgets(ref, task, policy: BudgetPolicy, calibration, timed: set[str]) -> dict:
@@ -241,6 +264,19 @@ def _timed_budgets(ref, task, policy: BudgetPolicy, calibration, timed: set[str]
     else:
         speed = (1.0, {"speed": 1.0, "note": "unscaled" if timed else "no timed level ran"})
     return {lv: level_budget(ref, task, lv, policy, cal, speed) for lv in TIMED_LEVELS}
+
+
+def _separate(run, ref, group) -> list[list]:
+    """`run` split into children none of which gets a check's recorded answer among another's inputs
+    (grader/answers.py), scanned on the recorded inputs (a training L6 scorer's adapter is the candidate's)."""
+    from grader import answers
+    recorded = {s.key: heldout.child_inputs(ref.checks[s.key].inputs, {}) if s.key in heldout.SCORERS
+                else ref.checks[s.key].inputs for s in run}
+    parts, found = answers.separate(run, recorded, {s.key: ref.checks[s.key].outputs for s in run}, "+".join(group))
+    if len(parts) > 1 and set(group) & set(TIMED_LEVELS):  # one budget per timed level: one child
+        raise ReferenceError(f"{'+'.join(group)}: recorded answers among the timed level's own inputs: "
+                             + "; ".join(f"{f.answering} in {f.carrying}" for f in found))
+    return parts
 
 
 def _series(key, reference: dict, produced: dict) -> dict:
@@ -255,7 +291,7 @@ def _series(key, reference: dict, produced: dict) -> dict:
 
 def _run_group(candidate, cfg, ref_dir, specs, inputs, budget, timeout, check_timeout_s=None, trusted=False,
                compile_cache=None, executed: dict | None = None, compile_seconds: dict | None = None,
-               forkserver=None, cpu_limit: float = math.inf):
+               forkserver=None, cpu_limit: float = math.inf, caps=None):
     """One sealed child on `inputs` (check key -> {name: array}); -> (outputs, errors, seconds, clock usage)
     per check. `budget`: the timed level's CPU seconds (None below L5), which the child keeps itself to;
     the grader kills its tree past `cpu_limit` CPU seconds or `timeout` wall seconds (its own clock). With
@@ -282,7 +318,7 @@ def _run_group(candidate, cfg, ref_dir, specs, inputs, budget, timeout, check_ti
         started = time.perf_counter()
         res = gate.run_sandboxed(candidate, f"grader.probes.{cfg_class(cfg)}:main", inputs_dir, out_dir, timeout,
                                  deny_read=(ref_dir,), trusted=trusted, compile_cache=compile_cache,
-                                 forkserver=forkserver, cpu_limit_s=cpu_limit)
+                                 forkserver=forkserver, cpu_limit_s=cpu_limit, caps=caps)
         elapsed = time.perf_counter() - started
         usage = res.usage
         over = None  # the grader's clock, never the child's: a child may end between two readings past a limit
@@ -323,7 +359,7 @@ def cfg_class(cfg) -> str:
 
 def _finish(task, candidate, results, ref, report_dir, stale, quiet, series, gated=None,
             trusted=False, details=None, executed=None, budgets=None, compile_seconds=None,
-            executed_by_group=None) -> dict:
+            executed_by_group=None, children=None, caps=None) -> dict:
     r = 0.0 if gated else compute_reward(results)
     levels = -1 if gated else earned_levels(results)
     digits = [c.digits for c in results if c.digits is not None]
@@ -334,7 +370,11 @@ def _finish(task, candidate, results, ref, report_dir, stale, quiet, series, gat
               "reference_pressure": reference_pressure(ref),
               "checks": [_with_budget(asdict(c), budgets) for c in results], "series": series,
               "details": details or {},  # per check, what the grader computed itself (training L6: the loss)
-              "budgets": budgets or {}}  # per timed level: the budget and what it was derived from
+              "budgets": budgets or {},  # per timed level: the budget and what it was derived from
+              "children": children or {},  # per level group: CPU, wall, peak memory and tasks of its child
+              "caps": None if caps is None else {"memory_gib": caps.memory_bytes / 2**30, "tasks": caps.tasks,
+                                                 "file_mib": caps.file_bytes / 2**20,
+                                                 "disk_mib": caps.disk_bytes / 2**20}}
     if compile_seconds is not None:
         report["compile_seconds"] = compile_seconds
     if executed is not None:

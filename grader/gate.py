@@ -328,6 +328,11 @@ _KEEP_PYTHON_VARS = frozenset({"PYTHONHASHSEED", "PYTHONUNBUFFERED", "PYTHONIOEN
                                "PYTHONDONTWRITEBYTECODE", "PYTHONWARNINGS", "PYTHONFAULTHANDLER"})
 # What of the grader's environment a sealed child inherits: settings, never paths.
 _KEEP_SANDBOX_VARS = _KEEP_PYTHON_VARS | {"XLA_FLAGS", "OMP_NUM_THREADS", "TF_CPP_MIN_LOG_LEVEL"}
+# What one child may take from the machine (grader/clock.py keeps them): the oracle's tiny-scale children peak at
+# 0.2-0.6 GiB resident and 19-23 tasks on 2 cores (XLA's thread pools grow with the cores); grade() raises the
+# memory cap with the checkpoint (grader.app.child_caps).
+DEFAULT_CAPS = clock.Limits(memory_bytes=4 * 2**30, tasks=max(512, 16 * (os.cpu_count() or 1)), file_bytes=2**30,
+                            disk_bytes=2 * 2**30)
 _CACHE_VARS = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
@@ -476,7 +481,7 @@ def run_sandboxed(candidate_root: str | Path, entry: str, inputs_dir: str | Path
                   timeout_s: float, *, inputs_name: str = "inputs.h5", outputs_name: str = "outputs.npz",
                   include: tuple[str, ...] = (), jax_platforms: str | None = "cpu", trusted: bool = False,
                   deny_read: tuple[str | Path, ...] = (), compile_cache: str | Path | None = None,
-                  forkserver=None, cpu_limit_s: float = math.inf) -> SandboxResult:
+                  forkserver=None, cpu_limit_s: float = math.inf, caps: clock.Limits | None = None) -> SandboxResult:
     """Run `entry(inputs_path, outputs_path)` ("module:function") of a copy of the candidate.
 
     Sealed (the default): the verifier interpreter inside bubblewrap (grader/sandbox.py), seeing
@@ -491,7 +496,9 @@ def run_sandboxed(candidate_root: str | Path, entry: str, inputs_dir: str | Path
     connections fail with precise reasons), in its own session (and cgroup, grader/clock.py). The grader
     keeps its limits on its own clock: past `timeout_s` wall seconds, or past `cpu_limit_s` CPU seconds of
     the child's whole process tree, the tree is killed and the reason is "timeout" (`timeout_detail` says
-    which limit, `usage` what it used). JAX_PLATFORMS is set
+    which limit, `usage` what it used). `caps` (default DEFAULT_CAPS) bound its memory, tasks, the size of any
+    file it writes and the total of its outputs directory and stdout/stderr logs: past one the tree is killed
+    and the reason names it ("memory: ...", "processes: ...", "disk: ..."). JAX_PLATFORMS is set
     to `jax_platforms` (None keeps the caller's). `include` names extra top-level paths of the
     candidate to copy (data such as configs/). `outputs_dir` must be an empty directory; a run that
     exits 0 without writing its file fails with reason "no output". `result.outputs` is that file,
@@ -521,7 +528,10 @@ def run_sandboxed(candidate_root: str | Path, entry: str, inputs_dir: str | Path
         else:
             cmd, env, cwd, pass_fds = _sealed_command(*args, cache, tmp)
         out_log, err_log = tmp / "stdout.log", tmp / "stderr.log"
-        limits = clock.Limits(cpu_s=cpu_limit_s, wall_s=timeout_s)
+        c = caps or DEFAULT_CAPS
+        limits = clock.Limits(cpu_s=cpu_limit_s, wall_s=timeout_s, memory_bytes=c.memory_bytes, tasks=c.tasks,
+                              file_bytes=c.file_bytes, disk_bytes=c.disk_bytes,
+                              watch=(str(outputs_dir), str(out_log), str(err_log)))
         start = time.perf_counter()
         if forkserver is not None:
             boot, grader_parent, copy = staged
@@ -549,7 +559,9 @@ def fork_server_env(compile_cache: str | Path | None = None, jax_platforms: str 
 
 
 def _result(returncode, stdout, stderr, seconds, produced, usage=None, limits=None) -> SandboxResult:
-    if returncode is None:
+    if returncode is None and usage is not None and usage.exceeded not in (None, "cpu", "wall"):
+        reason = usage.reason(limits)  # a cap: memory, processes, disk
+    elif returncode is None:
         reason = "timeout"
     elif returncode != 0:
         reason = _failure_reason(returncode, stderr)

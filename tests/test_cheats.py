@@ -624,7 +624,8 @@ _s.signal(_s.SIGALRM, _s.SIG_IGN)
 RUN_STEPS_DEF = "def _run_steps(model: CausalLM, lora, tx, steps, pad_token_id: int, shape) -> tuple[list[float], dict]:\n"
 
 
-@pytest.mark.parametrize("how, kind", [("burns CPU", "CPU-s"), ("sleeps", "wall clock")])
+@pytest.mark.parametrize("how, kind", [("burns CPU", "CPU-s"), pytest.param("sleeps", "wall clock",
+                                                                           marks=pytest.mark.slow)])
 def test_a_candidate_that_stops_its_own_clock_and_runs_past_its_budget_scores_zero(tmp_path, how, kind):
     from grader.budget import BudgetPolicy
     cand = _candidate(tmp_path)
@@ -646,6 +647,123 @@ def test_a_candidate_that_stops_its_own_clock_and_runs_past_its_budget_scores_ze
     else:
         assert b["wall_limit_s"] <= b["used_wall_s"] < b["wall_limit_s"] + 5 and b["used_cpu_s"] < b["budget_cpu_s"], b
     assert time.monotonic() - started < 120
+
+
+# ---------------------------------------------------------------- what a child may take from the machine
+# Each attack is planted where only the L1 data checks run it (the dataset loader), so the L1 child is the one
+# killed, with the reason, while L2's child grades normally; the caps are the grader's (grader/clock.py).
+
+LOADER_DEF = "def load_processed_dataset(tokenizer_dir, data_dir, split: str, args: TrainArgs) -> list[dict]:\n"
+ATTACKS = {
+    "disk": ("import os\nchunk = b'x' * (1 << 20)\nfor i in range(4096):\n"
+             "    with open(os.path.join('/t2j/out', f'f{i}'), 'wb') as f:\n        f.write(chunk)\n", "disk:"),
+    "stdout flood": ("import sys\nline = 'y' * 4096\nwhile True:\n    try:\n        print(line)\n"
+                     "    except OSError:\n        pass\n", "disk:"),
+    "memory": ("blocks = []\nwhile True:\n    blocks.append(bytearray(64 << 20))\n", "memory:"),
+    "processes": ("import threading, time\nfor _ in range(100000):\n"
+                  "    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n", "processes:"),
+}
+
+
+def _leftovers() -> tuple[set[str], set[str]]:
+    """Grader scratch directories and cgroups of this process: what a grading must not leave behind."""
+    import glob
+    import os
+    import tempfile
+    scratch = {p for p in glob.glob(os.path.join(tempfile.gettempdir(), "t2j-*")) if "pytest" not in p}
+    groups = set(glob.glob(f"/sys/fs/cgroup/**/t2j-{os.getpid()}-*", recursive=True))
+    return scratch, groups
+
+
+@pytest.mark.parametrize("attack", [a if a in ("disk", "memory") else pytest.param(a, marks=pytest.mark.slow)
+                                    for a in sorted(ATTACKS)])
+def test_a_child_that_takes_the_machine_scores_zero_with_the_reason(tmp_path, attack):
+    from dataclasses import replace
+    from grader.app import child_caps
+    code, reason = ATTACKS[attack]
+    cand = _candidate(tmp_path)
+    _plant(cand, "jax_oracles/training/sft.py", LOADER_DEF, code)
+    before = _leftovers()
+    caps = replace(child_caps(compose_task(TASK)), file_bytes=32 << 20, disk_bytes=128 << 20, tasks=256,
+                   memory_bytes=3 << 30)  # the defaults' kind, smaller: a quick test
+    started = time.monotonic()
+    report = _grade(cand, tmp_path, ("L1", "L2"), caps=caps)
+    assert time.monotonic() - started < 240
+    l1, l2 = _by_name(report, "L1"), _by_name(report, "L2")
+    for name in ("data_tokens", "data_labels", "collate"):
+        assert l1[name]["score"] == 0.0 and l1[name]["reason"].startswith(reason), l1[name]
+    _assert_untouched(l2, *l2)
+    assert _leftovers() == before  # no scratch directory, no cgroup; the killed tree is gone with them
+
+
+MARK = "t2j-sigterm-proof-grandchild"
+
+
+def _alive_with(mark: str) -> list[int]:
+    import os
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if mark.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.slow
+def test_a_grandchild_that_ignores_sigterm_and_leaves_its_session_dies_with_the_child(tmp_path):
+    """The L5 child starts a grandchild that ignores SIGTERM, calls setsid and spins, then runs past its
+    budget: the grader kills the whole tree (bwrap's PID namespace and the cgroup), nothing survives."""
+    from grader.budget import BudgetPolicy
+    cand = _candidate(tmp_path)
+    spawn = (f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', 'import os, signal\\n"
+             f"signal.signal(signal.SIGTERM, signal.SIG_IGN)\\nos.setsid()\\nwhile True: pass', '{MARK}'])\n"
+             "while True:\n    pass\n")
+    _plant(cand, "jax_oracles/training/sft.py", RUN_STEPS_DEF, spawn)
+    before = _leftovers()
+    policy = BudgetPolicy(headroom=1.0, factor=1.0, wall_factor=1.0, wall_slack_s=5.0, scale=False)
+    checks = _by_name(_grade(cand, tmp_path, ("L5",), budget=policy), "L5")
+    assert checks["e2e_step_losses"]["reason"].startswith("timeout: the child's process tree used"), checks
+    time.sleep(0.5)
+    assert _alive_with(MARK) == [] and _leftovers() == before
+
+
+def _copy_rollouts(inputs_file: str, n: int):
+    """What a cheating generate() returns: the n tokens after each query in the sibling check's rows."""
+    with h5py.File(inputs_file, "r") as f:
+        if "L3/rollout_logprobs_values" not in f:
+            return None
+        g = f["L3/rollout_logprobs_values"]
+        ids, starts = g["input_ids"][()], g["query_len"][()]
+        return np.stack([row[q:q + n] for row, q in zip(ids, starts)])
+
+
+@pytest.mark.slow
+def test_answers_read_off_a_sibling_checks_inputs_are_not_there(tmp_path):
+    """PPO's L3 rollout_generate must sample the responses L3 rollout_logprobs_values is recorded on: a candidate
+    that copies them out of the inputs file would score full marks if both ran in one child (checked on the
+    reference itself), and scores 0 because the grader gives them separate children (grader/answers.py)."""
+    task = "llama3-ppo"
+    rec = read_reference(ROOT / "references" / f"{task}.h5").checks
+    one_file = tmp_path / "both.h5"
+    write_arrays(one_file, {k: rec[k].inputs for k in ("L3/rollout_generate", "L3/rollout_logprobs_values")})
+    copied = _copy_rollouts(str(one_file), rec["L3/rollout_generate"].outputs["responses"].shape[1])
+    assert np.array_equal(copied, rec["L3/rollout_generate"].outputs["responses"])  # the cheat works on one file
+    cand = _candidate(tmp_path)
+    _plant(cand, "jax_oracles/training/ppo.py", "             eos_token_ids, pad_token_id: int):\n", """
+        import glob, h5py as _h5
+        for _path in glob.glob("/t2j/inputs/*.h5"):
+            with _h5.File(_path, "r") as _f:
+                if "L3/rollout_logprobs_values" in _f:
+                    _g = _f["L3/rollout_logprobs_values"]
+                    _ids, _q = _g["input_ids"][()], _g["query_len"][()]
+                    return jnp.asarray(np.stack([r[q:q + noise.shape[1]] for r, q in zip(_ids, _q)]))
+        return jnp.zeros(noise.shape[:2], jnp.int32)
+        """)
+    checks = _by_name(_grade(cand, tmp_path, ("L3",), task=task), "L3")
+    assert checks["rollout_generate"]["score"] < checks["rollout_generate"]["bar"], checks["rollout_generate"]
+    _assert_untouched(checks, "rollout_logprobs_values")
 
 
 # ---------------------------------------------------------------- (e) NaN

@@ -113,8 +113,8 @@ def test_a_daemon_left_behind_by_a_finished_child_is_ended(tmp_path):
 
 
 def test_cpu_seconds_do_not_grow_with_other_processes_load(meter, tmp_path):
-    """The same work, idle and beside two CPU-bound processes on this machine: the wall clock stretches,
-    the CPU seconds the grader counts do not (within scheduling noise)."""
+    """The same work, idle and beside two CPU-bound processes on this machine: the CPU seconds the grader
+    counts do not grow (within scheduling noise), however the wall clock stretches."""
     work = "total = 0\nfor i in range(6_000_000):\n    total += i % 7\n"
     _, idle = _run(work, tmp_path)
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
@@ -125,7 +125,6 @@ def test_cpu_seconds_do_not_grow_with_other_processes_load(meter, tmp_path):
             h.kill()
             h.wait()
     assert loaded.cpu_s < 1.35 * idle.cpu_s + 0.1, (idle, loaded)
-    assert loaded.wall_s > 1.3 * idle.wall_s or (os.cpu_count() or 1) > 2, (idle, loaded)
 
 
 def test_watch_pid_keeps_a_running_process_to_its_limits(meter, tmp_path):
@@ -135,3 +134,69 @@ def test_watch_pid_keeps_a_running_process_to_its_limits(meter, tmp_path):
     usage = clock.watch_pid(proc.pid, clock.Limits(cpu_s=0.8, wall_s=30), finished)
     assert usage.exceeded == "cpu", usage
     assert proc.wait(timeout=10) != 0
+
+
+# ---------------------------------------------------------------- caps: what a child may take from the machine
+
+def _cgroup_dirs() -> set[str]:
+    found = set()
+    for base in ("/sys/fs/cgroup",):
+        for dirpath, dirnames, _ in os.walk(base):
+            found |= {os.path.join(dirpath, d) for d in dirnames if d.startswith(f"t2j-{os.getpid()}-")}
+            if dirpath.count(os.sep) > 8:
+                dirnames[:] = []
+    return found
+
+
+def test_a_memory_hog_is_stopped_at_its_cap(meter, tmp_path):
+    code = "import time\nblocks = []\nwhile True:\n    blocks.append(bytearray(16 << 20))\n    time.sleep(0.005)\n"
+    rc, usage = _run(code, tmp_path, clock.Limits(memory_bytes=300 << 20, wall_s=60))
+    assert rc is None and usage.exceeded == "memory", usage
+    assert "memory: the child's process tree reached its cap of 0.3 GiB" in usage.reason(
+        clock.Limits(memory_bytes=300 << 20))
+
+
+def test_a_fork_and_thread_bomb_is_stopped_at_its_cap(meter, tmp_path):
+    code = """
+        import os, threading, time
+        def spin():
+            time.sleep(30)
+        for _ in range(3):
+            os.fork()  # 8 processes
+        try:
+            for _ in range(200):
+                threading.Thread(target=spin, daemon=True).start()
+        except RuntimeError:
+            pass
+        time.sleep(30)
+        """
+    rc, usage = _run(code, tmp_path, clock.Limits(tasks=64, wall_s=60))
+    assert rc is None and usage.exceeded == "tasks", usage
+    assert "processes:" in usage.reason(clock.Limits(tasks=64))
+
+
+def test_a_disk_flood_is_stopped_and_no_file_grows_past_its_cap(meter, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    code = f"""
+        import os
+        chunk = b"x" * (1 << 20)
+        for i in range(400):
+            try:
+                with open(os.path.join({str(out)!r}, f"f{{i % 40}}"), "ab") as f:
+                    for _ in range(8):
+                        f.write(chunk)
+            except OSError:
+                pass
+        """
+    rc, usage = _run(code, tmp_path, clock.Limits(file_bytes=16 << 20, disk_bytes=64 << 20, watch=(str(out),),
+                                                  wall_s=60))
+    assert rc is None and usage.exceeded == "disk", usage
+    assert max(p.stat().st_size for p in out.iterdir()) <= 16 << 20
+    assert "disk:" in usage.reason(clock.Limits(disk_bytes=64 << 20))
+
+
+def test_nothing_is_left_behind(tmp_path):
+    """Every cgroup the grader made for its children is gone once they are."""
+    _run(BURN.format(s=0.1), tmp_path, clock.Limits(memory_bytes=1 << 30, tasks=256, cpu_s=10))
+    assert _cgroup_dirs() == set()

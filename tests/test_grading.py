@@ -84,6 +84,7 @@ def test_a_wrong_rope_theta_lowers_rope_and_everything_above_it(tmp_path):
     assert bugged["earned_levels"] == 0 and bugged["reward"] < 0.999
 
 
+@pytest.mark.slow  # CI time: the seeded-defect sweep catches both (make sweep); make test-full runs it
 def test_unshifted_labels_lower_the_loss_levels_only(tmp_path):
     cand = _copy_oracles(tmp_path / "cand")
     _edit(cand, "jax_oracles/training/loss.py", "labels[:, 1:]", "labels[:, :-1]")
@@ -93,6 +94,7 @@ def test_unshifted_labels_lower_the_loss_levels_only(tmp_path):
     assert s["L3/logits_b2_t16_pad"] == clean["L3/logits_b2_t16_pad"]
 
 
+@pytest.mark.slow  # CI time: the seeded-defect sweep catches both (make sweep); make test-full runs it
 def test_a_kv_write_off_by_one_slot_lowers_the_paged_levels(tmp_path):
     cand = _copy_oracles(tmp_path / "cand")
     _edit(cand, "serving_engine/kernels/write_kv.py", "jnp.where(slot_mapping < 0, num_slots, slot_mapping)",

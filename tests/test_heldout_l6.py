@@ -132,8 +132,8 @@ def _grade_with_fake_children(tmp_path, monkeypatch, l5_result) -> tuple[dict, l
     def fake_run_group(candidate, cfg, ref_dir, specs, inputs, *args, **kwargs):
         calls.append(([s.key for s in specs], inputs))
         if heldout.ADAPTER_KEY in inputs:
-            return l5_result
-        return {}, {s.key: "crash: L6 child" for s in specs}, {}
+            return (*l5_result, None)  # outputs, errors, seconds, the grader's clock usage
+        return {}, {s.key: "crash: L6 child" for s in specs}, {}, None
 
     monkeypatch.setattr(app, "_run_group", fake_run_group)
     report = grade(compose_task(TASK), ROOT, ROOT / "references", tmp_path / "reports", quiet=True, levels=("L6",),
