@@ -297,6 +297,15 @@ _CAPS: dict[str, str] = {}  # controller -> the kind that works here, or "procfs
 _KIND_LOCK = threading.Lock()
 
 
+def _mkdir_under(root: Path) -> Path | None:
+    path = root / f"t2j-{os.getpid()}-{next(_counter)}"
+    try:
+        path.mkdir()
+    except OSError:
+        return None
+    return path
+
+
 def _new_meter():
     if os.environ.get(_FORCE_ENV) == "procfs":
         return _ProcTree()
@@ -308,12 +317,7 @@ def _decide_meter():
     if _KIND and _KIND[0] == "procfs":
         return _ProcTree()
     for root, kind in _cgroup_roots():
-        if _KIND and _KIND[0] != kind:
-            continue
-        path = root / f"t2j-{os.getpid()}-{next(_counter)}"
-        try:
-            path.mkdir()
-        except OSError:
+        if (_KIND and _KIND[0] != kind) or (path := _mkdir_under(root)) is None:
             continue
         meter = _Cgroup(path, kind)
         if not _KIND:  # a cgroup that cannot count or take a process is no clock
@@ -333,12 +337,7 @@ def _new_cap(controller: str, cap: float) -> _Cap | None:
         if _CAPS.get(controller) == "procfs":
             return None
         for root, kind in _cap_roots(controller):
-            if _CAPS.get(controller, kind) != kind:
-                continue
-            path = root / f"t2j-{os.getpid()}-{next(_counter)}"
-            try:
-                path.mkdir()
-            except OSError:
+            if _CAPS.get(controller, kind) != kind or (path := _mkdir_under(root)) is None:
                 continue
             try:
                 box = _Cap(path, kind, controller, cap)

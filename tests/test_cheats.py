@@ -675,7 +675,7 @@ def _leftovers() -> tuple[set[str], set[str]]:
     return scratch, groups
 
 
-@pytest.mark.parametrize("attack", [a if a in ("disk", "memory") else pytest.param(a, marks=pytest.mark.slow)
+@pytest.mark.parametrize("attack", [a if a == "disk" else pytest.param(a, marks=pytest.mark.slow)
                                     for a in sorted(ATTACKS)])
 def test_a_child_that_takes_the_machine_scores_zero_with_the_reason(tmp_path, attack):
     from dataclasses import replace

@@ -18,8 +18,16 @@ from grader import clock
 BURN = "import time\nend = time.process_time() + {s}\nwhile time.process_time() < end: pass\n"
 
 
-@pytest.fixture(params=["auto", "procfs"])
+@pytest.fixture(params=["auto", pytest.param("procfs", marks=pytest.mark.slow)])
 def meter(request, monkeypatch):
+    """Both meters; the /proc walk in the slow suite (CI runs it in the core tests, below: `both`)."""
+    if request.param == "procfs":
+        monkeypatch.setenv("T2J_CLOCK", "procfs")
+    return request.param
+
+
+@pytest.fixture(params=["auto", "procfs"])
+def both(request, monkeypatch):
     if request.param == "procfs":
         monkeypatch.setenv("T2J_CLOCK", "procfs")
     return request.param
@@ -39,7 +47,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_cpu_of_children_and_grandchildren_counts(meter, tmp_path):
+def test_cpu_of_children_and_grandchildren_counts(both, tmp_path):
     code = BURN.format(s=0.6) + textwrap.dedent("""
         import os, subprocess, sys
         if os.fork() == 0:  # a child that leaves its session, and a grandchild of its own
@@ -52,10 +60,10 @@ def test_cpu_of_children_and_grandchildren_counts(meter, tmp_path):
     code_rc, usage = _run(code, tmp_path)
     assert code_rc == 0 and usage.exceeded is None
     assert 1.1 <= usage.cpu_s < 3.0, usage
-    assert usage.meter == ("procfs" if meter == "procfs" else clock.meter_kind())
+    assert usage.meter == ("procfs" if both == "procfs" else clock.meter_kind())
 
 
-def test_past_its_cpu_limit_the_tree_is_killed(meter, tmp_path):
+def test_past_its_cpu_limit_the_tree_is_killed(both, tmp_path):
     started = time.monotonic()
     rc, usage = _run(BURN.format(s=30), tmp_path, clock.Limits(cpu_s=0.8, wall_s=60))
     assert rc is None and usage.exceeded == "cpu" and 0.8 <= usage.cpu_s < 2.0, usage
@@ -68,7 +76,7 @@ def test_a_sleeper_is_killed_on_the_wall_clock(meter, tmp_path):
     assert rc is None and usage.exceeded == "wall" and 1.5 <= usage.wall_s < 5 and usage.cpu_s < 1.0, usage
 
 
-def test_a_tree_that_ignores_sigterm_and_leaves_its_session_goes_whole(meter, tmp_path):
+def test_a_tree_that_ignores_sigterm_and_leaves_its_session_goes_whole(both, tmp_path):
     """The child ignores SIGTERM, forks a grandchild that calls setsid and spins; past the limit both die."""
     pids = tmp_path / "pids"
     code = f"""
@@ -148,7 +156,7 @@ def _cgroup_dirs() -> set[str]:
     return found
 
 
-def test_a_memory_hog_is_stopped_at_its_cap(meter, tmp_path):
+def test_a_memory_hog_is_stopped_at_its_cap(both, tmp_path):
     code = "import time\nblocks = []\nwhile True:\n    blocks.append(bytearray(16 << 20))\n    time.sleep(0.005)\n"
     rc, usage = _run(code, tmp_path, clock.Limits(memory_bytes=300 << 20, wall_s=60))
     assert rc is None and usage.exceeded == "memory", usage

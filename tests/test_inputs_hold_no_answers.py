@@ -73,7 +73,11 @@ def test_the_scan_finds_planted_answers_and_nothing_plain():
                    ("a/names", "b/names", "whole")}, got
 
 
-@pytest.mark.parametrize("path", REFS, ids=[p.stem for p in REFS])
+SMOKE = {"llama3-ppo", "qwen2-ppo", "llama3-dpo", "llama3-sft", "gemma4-chunked", "gpt-oss-core"}  # CI; all: slow
+
+
+@pytest.mark.parametrize("path", [p if p.stem in SMOKE else pytest.param(p, marks=pytest.mark.slow) for p in REFS],
+                         ids=[p.stem for p in REFS])
 def test_no_child_gets_an_answer_among_its_inputs(path):
     ref = read_reference(path)
     lines = [f.line(path.stem) for name, keys in children(path.stem, ref) for f in _scan(ref, name, keys)]

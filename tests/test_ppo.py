@@ -226,6 +226,7 @@ def test_masked_var_refuses_an_empty_mask():
 
 
 @pytest.mark.sandbox
+@pytest.mark.slow  # CI time (~37 s): make test-full
 def test_a_candidate_that_patches_the_grader_decoder_scores_zero_at_l6(tmp_path):
     """Code in the child can reach the grader's decoder: this candidate replaces it, on import, with one that
     returns the tokens it likes (one repeated id) beside its honest logits. The parent redraws the tokens from

@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -55,6 +57,7 @@ def _datasets(path):
     return out
 
 
+@pytest.mark.slow  # CI time (~40 s): make test-full
 def test_re_recording_on_the_same_cpu_reproduces_identical_datasets(tmp_path):
     for d in ("a", "b"):
         r = _run("task=llama3-core", f"out_dir={tmp_path / d}")
@@ -64,6 +67,7 @@ def test_re_recording_on_the_same_cpu_reproduces_identical_datasets(tmp_path):
     assert [k for k in a if a[k] != b[k]] == []
 
 
+@pytest.mark.slow  # CI time (~33 s): make test-full
 def test_multirun_records_several_tasks_in_parallel(tmp_path):
     r = _run("-m", "task=llama3-core,gemma4-core", "hydra/launcher=local", f"out_dir={tmp_path}",
              f"hydra.sweep.dir={tmp_path}/multirun", timeout=300)
