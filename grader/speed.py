@@ -6,7 +6,10 @@ interpreter a child runs in, on the clock it keeps the child to (grader/clock.py
 and import jax, trace and compile a small transformer-shaped function at two shapes (XLA's compiler is
 where a jitted port spends most of its L5 time), run it, and spin a pure-Python loop (dispatch-bound code).
 speed = probe CPU seconds here / probe CPU seconds on the calibration machine (grader/budgets.yaml); every
-budget is multiplied by it. CPU seconds, not wall: another process's load does not inflate them.
+budget is multiplied by it. CPU seconds, not wall: another process's CPU is not counted and a child
+waiting for a core accrues none; what contention still adds to a child's own CPU (shared caches, a host's
+SMT siblings: up to ~1.7x measured beside two hogs) the probe, run under the same load, mostly sees too,
+and the 2x headroom takes the rest.
 """
 from __future__ import annotations
 

@@ -120,19 +120,33 @@ def test_a_daemon_left_behind_by_a_finished_child_is_ended(tmp_path):
     assert not _alive(int(pid_file.read_text()))
 
 
-def test_cpu_seconds_do_not_grow_with_other_processes_load(meter, tmp_path):
-    """The same work, idle and beside two CPU-bound processes on this machine: the CPU seconds the grader
-    counts do not grow (within scheduling noise), however the wall clock stretches."""
+def _cpu_of(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_other_processes_cpu_is_not_counted(meter, tmp_path):
+    """The same single-threaded work, idle and beside two CPU-bound processes: the grader counts the child's
+    tree only. The hogs take more CPU during the loaded run than the child does; were any of it counted, the
+    child's CPU would pass its own wall time, which one thread cannot. The child's own CPU may grow under
+    load (a CI machine of this kind measured 0.50 -> 0.83 CPU-s: cores that share caches, or a host's SMT
+    siblings), which is why budgets carry 2x headroom and the speed probe is run on the grading machine
+    at grading time; past 2x the budgets would not hold here, and this test says so."""
     work = "total = 0\nfor i in range(6_000_000):\n    total += i % 7\n"
     _, idle = _run(work, tmp_path)
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
+        before = sum(_cpu_of(h.pid) for h in hogs)
         _, loaded = _run(work, tmp_path)
+        hogs_cpu = sum(_cpu_of(h.pid) for h in hogs) - before
     finally:
         for h in hogs:
             h.kill()
             h.wait()
-    assert loaded.cpu_s < 1.35 * idle.cpu_s + 0.1, (idle, loaded)
+    assert hogs_cpu > loaded.cpu_s, (hogs_cpu, loaded)  # the load was real
+    assert loaded.cpu_s <= 1.05 * loaded.wall_s + 0.05, (idle, loaded, hogs_cpu)
+    assert loaded.cpu_s < 2.0 * idle.cpu_s + 0.1, (idle, loaded)
 
 
 def test_watch_pid_keeps_a_running_process_to_its_limits(meter, tmp_path):
