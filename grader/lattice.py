@@ -10,7 +10,7 @@ interrupted grading run can never claim the levels it skipped. The continuous re
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Iterable
 
 __all__ = ["ASPECTS", "Check", "LEVELS", "NOISE_FACTOR", "STRICT_FLOOR", "earned_levels", "level_passes",
@@ -68,6 +68,12 @@ class Check:
         if not 0.0 < bar <= 1.0 or (self.aspect == "spec" and bar != 1.0):
             raise ValueError(f"{self.name}: strict bar {self.bar!r} not in (0, 1] (spec checks: exactly 1)")
         object.__setattr__(self, "bar", bar)
+
+    @classmethod
+    def from_report(cls, entry: dict) -> "Check":
+        """A check back from its report entry, which carries more than the check (a timed check's `budget`)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in entry.items() if k in names})
 
     @classmethod
     def failed(cls, level: str, name: str, aspect: str, measure: str, reason: str,

@@ -447,7 +447,7 @@ def grade_mutant(defect: Defect, cfg, base: dict, workdir: Path, levels=None, co
     else:
         merged = {k: produced.get(k, c) for k, c in clean.items()}
         reused = [k for k in clean if k not in produced]
-        checks = [Check(**c) for c in merged.values()]
+        checks = [Check.from_report(c) for c in merged.values()]
         reward, earned = compute_reward(checks), earned_levels(checks)
     return {"report": {"checks": list(merged.values()), "reward": reward, "earned_levels": earned,
                        "gated": report.get("gated")},

@@ -19,12 +19,14 @@ from safetensors import safe_open
 from conversion import gpt_oss as conv
 from jax_oracles.models import gpt_oss as J
 from jax_oracles.models import layers as jlayers
+from jax_oracles.models import rope as jrope
 from recorder.probes.training import rng_for
 from serving_engine.config import EngineConfig, SamplingParams
 from serving_engine.engine import LLMEngine
 from serving_engine.model_runner import ModelRunner
 from torch_sources.models import gpt_oss as T
 from torch_sources.models import layers as tlayers
+from torch_sources.models import rope as trope
 from torch_sources.models.mxfp4 import dequantize_mxfp4 as torch_dequantize
 from torch_sources.serving import config as tconfig
 from torch_sources.serving import engine as tengine
@@ -113,17 +115,15 @@ def test_config_reads_both_forms():
 
 @pytest.mark.parametrize("extra", [{}, {"truncate": True}, {"attention_factor": 1.25, "beta_fast": 16.0}])
 def test_yarn_inv_freq_and_factor(extra):
-    s = jlayers.YarnScaling(factor=32.0, original_max_position_embeddings=4096, **{"truncate": False, **extra})
-    ts = tlayers.YarnScaling(factor=32.0, original_max_position_embeddings=4096, **{"truncate": False, **extra})
-    for dim in (16, 64):  # within an ulp of torch's (its float32 pow is not correctly rounded)
-        np.testing.assert_allclose(jlayers.rope_inv_freq(dim, 150000.0, s),
-                                   tlayers.rope_inv_freq(dim, 150000.0, ts).numpy(), rtol=2e-7, atol=0)
-    assert jlayers.rope_attention_factor(s) == tlayers.rope_attention_factor(ts)
+    block = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+             "truncate": False, **extra}
+    for dim in (16, 64):  # both twins round the float64 power once: the same table, bit for bit
+        s, ts = jrope.read_rope({"rope_parameters": block}, dim), trope.read_rope({"rope_parameters": block}, dim)
+        np.testing.assert_array_equal(jrope.inv_freq(s), trope.inv_freq(ts).numpy())
+    assert jrope.attention_factor(s) == trope.attention_factor(ts)
+    s, ts = jrope.read_rope({"rope_parameters": block}, 16), trope.read_rope({"rope_parameters": block}, 16)
     pos = np.arange(40)[None]
-    for a, b in zip(jlayers.rope_cos_sin(jlayers.rope_inv_freq(16, 150000.0, s), jnp.asarray(pos),
-                                         jlayers.rope_attention_factor(s)),
-                    tlayers.rope_cos_sin(tlayers.rope_inv_freq(16, 150000.0, ts), torch.from_numpy(pos),
-                                         tlayers.rope_attention_factor(ts))):
+    for a, b in zip(jrope.cos_sin(s, jnp.asarray(pos)), trope.cos_sin(ts, torch.from_numpy(pos))):
         np.testing.assert_allclose(a, b.numpy(), atol=2e-6)
 
 

@@ -3,6 +3,7 @@ MXFP4 dequantization, the router (ties included), YaRN, and the paged serving pa
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from torch_sources.models import layers
+from torch_sources.models import rope as trope
 from torch_sources.models.gpt_oss import (GptOssConfig, GptOssForCausalLM, layer_inputs, rope_attention_factor,
                                           rope_inv_freq, route, swiglu_clamped)
 from torch_sources.models.mxfp4 import dequantize_mxfp4
@@ -177,15 +178,15 @@ def test_yarn_matches_transformers(extra):
     assert rope_attention_factor(ours) == want_factor
     if not extra:  # the release's: 0.1 ln 32 + 1; every branch of the ramp is hit at head_dim 16
         assert want_factor == pytest.approx(0.1 * math.log(32) + 1)
-        base = layers.rope_inv_freq(16, cfg.rope_theta)
+        base = trope.inv_freq(trope.read_rope({"rope_theta": cfg.rope_theta}, 16))
         ratio = (rope_inv_freq(ours) / base).tolist()
         assert ratio[0] == 1.0 and ratio[-1] == pytest.approx(1 / 32) and any(1 / 32 < r < 1 for r in ratio)
 
 
-def _with_rope(cfg: GptOssConfig, rope: dict) -> GptOssConfig:
-    d = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
+def _with_rope(cfg: GptOssConfig, rope: dict) -> GptOssConfig:  # the checkpoint's config.json, another rope block
+    d = json.loads((Path(CKPT) / "config.json").read_text())
     d.pop("rope_scaling"), d.pop("rope_theta")
-    return GptOssConfig.from_hf({**d, "layer_types": list(cfg.layer_types), "rope_parameters": dict(rope)})
+    return GptOssConfig.from_hf({**d, "rope_parameters": dict(rope)})
 
 
 # ---- (e) serving: the paged path vs transformers -------------------------------------------------------------

@@ -118,7 +118,8 @@ def test_transformers_loads_every_tensor_and_no_other(hf_model):
 def test_config(torch_model):
     c = torch_model.config
     assert (c.head_dim, c.sliding_window, c.norm_eps, c.use_bias, c.tie_word_embeddings) == (16, 16, 1e-5, True, True)
-    assert (c.bos_token_id, c.eos_token_id, c.hidden_act) == (400, 400, "gelu_pytorch_tanh")
+    d = json.loads((CKPT / "config.json").read_text())  # token ids: bookkeeping (models/config_keys.py)
+    assert (d["bos_token_id"], d["eos_token_id"], c.hidden_act) == (400, 400, "gelu_pytorch_tanh")
     assert jm.Starcoder2Config.from_pretrained(CKPT) == conv.load_config(CKPT)
 
 

@@ -17,17 +17,30 @@ from pathlib import Path
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jax_oracles.models import layers
+from jax_oracles.models import layers, rope
+from jax_oracles.models.config_keys import DROPOUT, ROPE_KEYS, ConfigError, KeyAudit
 from jax_oracles.models.layers import (LayerInputs, LayerNorm, PlainMLP, apply_rope, attend, causal_mask,
                                        eager_attention, layer_norm, rope_cos_sin)
+from jax_oracles.models.rope import Rope, read_rope
 from jax_oracles.training.lora import LoraLinear
 
 __all__ = [
-    "FalconConfig",
-    "layer_norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention", "split_qkv",
+    "CONFIG_KEYS", "FalconConfig",
+    "layer_norm", "rope_inv_freq", "rope_attention_factor", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention", "split_qkv",
     "layer_inputs",
     "FalconLayerNorm", "FalconMLP", "FalconAttention", "FalconDecoderLayer", "FalconModel", "FalconForCausalLM",
 ]
+
+
+CONFIG_KEYS = KeyAudit(
+    "falcon",
+    honored=frozenset({"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "layer_norm_epsilon",
+                       "num_kv_heads", "new_decoder_architecture", "multi_query", "parallel_attn", "num_ln_in_parallel_attn",
+                       "bias",
+                       "ffn_hidden_size", "activation", "max_position_embeddings", "tie_word_embeddings"}) | ROPE_KEYS,
+    ignored={"attention_dropout": DROPOUT, "hidden_dropout": DROPOUT,
+             "apply_residual_connection_post_layernorm": "transformers' Falcon does not read it (an RW-era key)"},
+    refused={"alibi": ((False, None), "ALiBi Falcon (falcon-rw) is not implemented")})
 
 
 @dataclass(frozen=True)
@@ -36,39 +49,38 @@ class FalconConfig:
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
+    rope: Rope
     layer_norm_epsilon: float = 1e-5
     num_kv_heads: int | None = None
     new_decoder_architecture: bool = False
     multi_query: bool = True
     parallel_attn: bool = True
     num_ln_in_parallel_attn: int | None = None
-    alibi: bool = False
     bias: bool = False
     ffn_hidden_size: int | None = None
     activation: str = "gelu"
-    rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = True
-    bos_token_id: int | None = None
-    eos_token_id: int | tuple[int, ...] | None = None
 
     def __post_init__(self):
-        assert not self.alibi, "ALiBi Falcon (falcon-rw) is not supported"
-        assert self.new_decoder_architecture or self.parallel_attn, "sequential Falcon blocks are not supported"
-        assert self.new_decoder_architecture or self.num_ln_in_parallel_attn in (None, 1), \
-            "two parallel norms need the new decoder architecture (as in transformers)"
+        if not (self.new_decoder_architecture or self.parallel_attn):
+            raise ConfigError("falcon config not supported by this source: parallel_attn=False (sequential blocks, "
+                              "falcon-rw) is not implemented")
+        if not self.new_decoder_architecture and self.num_ln_in_parallel_attn not in (None, 1):
+            raise ConfigError(f"falcon config: num_ln_in_parallel_attn={self.num_ln_in_parallel_attn} needs "
+                              f"new_decoder_architecture (as in transformers)")
+        if self.activation not in layers.ACTIVATIONS:
+            raise ConfigError(f"falcon config: activation={self.activation!r} (known: {sorted(layers.ACTIVATIONS)})")
         assert self.hidden_size % self.num_attention_heads == 0
         assert self.num_attention_heads % self.num_key_value_heads == 0
 
     @classmethod
     def from_hf(cls, d: dict) -> "FalconConfig":
+        """Either config.json form; every key accounted for (CONFIG_KEYS), the RoPE read by models/rope.py
+        (transformers' Falcon takes any rope type; theta 1e4 by default)."""
+        CONFIG_KEYS.check(d)
         d = dict(d)
-        if "rope_parameters" in d:  # transformers>=5 writes the theta here
-            rope = d.pop("rope_parameters") or {}
-            assert rope.get("rope_type", "default") == "default", f"unsupported rope {rope}"
-            d.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
-        if isinstance(d.get("eos_token_id"), list):
-            d["eos_token_id"] = tuple(d["eos_token_id"])
+        d["rope"] = read_rope(d, d["hidden_size"] // d["num_attention_heads"], what="falcon config")
         return cls(**{f.name: d[f.name] for f in fields(cls) if d.get(f.name) is not None})
 
     @classmethod
@@ -100,11 +112,19 @@ class FalconConfig:
     def norm_eps(self) -> float:
         return self.layer_norm_epsilon
 
+    @property
+    def rope_theta(self) -> float:
+        return self.rope.theta
+
 
 # ---- operators (the shared layers, at the config's settings) --------------------------------
 
-def rope_inv_freq(config: FalconConfig):  # -> f32[hd/2]
-    return layers.rope_inv_freq(config.head_dim, config.rope_theta)
+def rope_inv_freq(config: FalconConfig):  # -> f32[hd/2]: the table at init (models/rope.py)
+    return rope.inv_freq(config.rope)
+
+
+def rope_attention_factor(config: FalconConfig) -> float:
+    return rope.attention_factor(config.rope)
 
 
 def split_qkv(config: FalconConfig, fused):  # f32[B,T,(N+2K)*hd] -> q f32[B,T,N,hd], k, v f32[B,T,K,hd]
@@ -122,7 +142,7 @@ def split_qkv(config: FalconConfig, fused):  # f32[B,T,(N+2K)*hd] -> q f32[B,T,N
 
 
 def layer_inputs(config: FalconConfig, attention_mask, position_ids=None) -> LayerInputs:
-    return layers.layer_inputs(attention_mask, position_ids, inv_freq=rope_inv_freq(config))
+    return layers.layer_inputs(attention_mask, position_ids, rope=config.rope)
 
 
 # ---- modules --------------------------------------------------------------------------------

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_oracles.models import rope
+
 __all__ = [
     "Gemma4TextConfig",
     "rms_norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention",
@@ -225,17 +227,14 @@ def rms_norm(x, weight, eps: float):
 def rope_inv_freq(config: Gemma4TextConfig, layer_type: str):
     """f32[hd/2] for the layer type's head dim. "proportional": the first
     int(partial_rotary_factor * hd / 2) pairs get theta^(-2i/hd), the rest frequency 0.
-    A config constant, computed in numpy float32 in transformers' op order."""
-    f32 = np.float32
-    p = config.rope_parameters[layer_type]
-    hd, theta = config.type_head_dim(layer_type), f32(p["rope_theta"])
-    if p["rope_type"] == "default":
-        return jnp.asarray(f32(1.0) / theta ** (np.arange(0, hd, 2).astype(f32) / f32(hd)))
-    assert p["rope_type"] == "proportional", p
-    rotated = int(p.get("partial_rotary_factor", 1.0) * hd // 2)
-    inv = f32(1.0) / theta ** (np.arange(0, 2 * rotated, 2).astype(f32) / f32(hd))
-    inv = np.concatenate([inv, np.zeros(hd // 2 - rotated, f32)])
-    return jnp.asarray(inv / f32(p.get("factor", 1.0)))
+    A config constant (models/rope.py)."""
+    return jnp.asarray(rope.inv_freq(layer_rope(config, layer_type)))
+
+
+def layer_rope(config: Gemma4TextConfig, layer_type: str) -> rope.Rope:
+    """The layer type's RoPE block, read by models/rope.py (the table is computed there)."""
+    return rope.read_rope({"rope_parameters": config.rope_parameters[layer_type]}, config.type_head_dim(layer_type),
+                          what=f"gemma4 rope_parameters[{layer_type!r}]")
 
 
 def rope_cos_sin(inv_freq, position_ids):

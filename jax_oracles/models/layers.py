@@ -1,8 +1,8 @@
 """What the decoder families share, in Flax Linen: the torch-free twin of torch_sources/models/layers.py.
 
-Same public names, same numerics (see the torch file's docstring). Config constants (RoPE inverse
-frequencies, ALiBi slopes) are computed in numpy float32 with torch's op order, so under jit they
-are literals equal to torch's to the ulp. Every projection is a LoraLinear, so LoRA adapters in a
+Same public names, same numerics (see the torch file's docstring). Config constants (ALiBi slopes; the
+RoPE tables of models/rope.py) are computed in numpy with torch's op order, so under jit they are
+literals equal to torch's. Every projection is a LoraLinear, so LoRA adapters in a
 "lora" collection reach it.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -18,37 +17,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_oracles.models import rope as _rope
+from jax_oracles.models.rope import rope_cos_sin
 from jax_oracles.training.lora import LoraLinear
 
 __all__ = [
-    "RopeScaling", "YarnScaling", "LayerInputs", "ACTIVATIONS",
-    "rms_norm", "layer_norm", "rope_inv_freq", "rope_attention_factor", "rope_cos_sin", "apply_rope",
+    "LayerInputs", "ACTIVATIONS",
+    "rms_norm", "layer_norm", "rope_cos_sin", "apply_rope",
     "alibi_slopes", "alibi_bias",
     "causal_mask", "eager_attention", "attend", "default_positions", "layer_inputs",
     "RMSNorm", "LayerNorm", "GatedMLP", "PlainMLP",
 ]
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """config.json `rope_scaling` of Llama 3.1 (rope_type "llama3")."""
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-    rope_type: str = "llama3"
-
-
-@dataclass(frozen=True)
-class YarnScaling:
-    """config.json `rope_scaling` of a YaRN model (GPT-OSS: factor 32, original 4096, truncate false)."""
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True  # transformers' default; GPT-OSS sets false (no floor/ceil of the ramp ends)
-    attention_factor: float | None = None  # None: 0.1 ln(factor) + 1
-    rope_type: str = "yarn"
 
 
 class LayerInputs(NamedTuple):
@@ -111,70 +90,6 @@ class LayerNorm(nn.Module):
 
 
 # ---- positions ------------------------------------------------------------------------------
-
-def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | YarnScaling | None = None):  # -> f32[dim/2]
-    """theta^(-2i/dim) in numpy float32 with transformers' op order; `dim` is the rotary dim."""
-    f32 = np.float32
-    if isinstance(scaling, YarnScaling):
-        return jnp.asarray(_yarn_inv_freq(dim, theta, scaling), dtype=jnp.float32)
-    inv_freq = f32(1.0) / (f32(theta) ** (np.arange(0, dim, 2).astype(f32) / f32(dim)))
-    s = scaling
-    if s is not None:
-        low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-        high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        inv_freq_llama = np.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
-        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-        smoothed = (1 - smooth) * inv_freq_llama / s.factor + smooth * inv_freq_llama
-        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-        inv_freq = np.where(is_medium, smoothed, inv_freq_llama)
-    return jnp.asarray(inv_freq, dtype=jnp.float32)
-
-
-def _yarn_inv_freq(dim: int, theta: float, s: YarnScaling) -> np.ndarray:
-    """YaRN (transformers' _compute_yarn_parameters): high frequencies keep theta^(-2i/dim)
-    (extrapolation), low ones are divided by `factor` (interpolation), with a linear ramp between
-    the dims that turn beta_fast and beta_slow times over the original context. The ramp ends are
-    Python doubles; every other array op is float32, as torch's."""
-    f32 = np.float32
-
-    def correction_dim(rotations):  # the dim whose wavelength fits `rotations` times into the context
-        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
-    if s.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # transformers' guard against a zero-width ramp
-    # The power in float64, rounded once: the float32 result nearest the true value. torch's vectorised
-    # powf (1-ulp) and numpy's may each miss it by an ulp, at different i; this pins our side.
-    pos_freqs = (np.float64(theta) ** (np.arange(0, dim, 2).astype(f32) / f32(dim)).astype(np.float64)).astype(f32)
-    extrapolation, interpolation = f32(1.0) / pos_freqs, f32(1.0) / (f32(s.factor) * pos_freqs)
-    ramp = np.clip((np.arange(dim // 2, dtype=f32) - f32(low)) / f32(high - low), f32(0), f32(1))
-    keep = f32(1) - ramp  # weight of the unscaled (extrapolated) frequency
-    return interpolation * (f32(1) - keep) + extrapolation * keep
-
-
-def rope_attention_factor(scaling: RopeScaling | YarnScaling | None) -> float:
-    """What cos and sin are multiplied by: YaRN's attention factor (0.1 ln(factor) + 1 unless the
-    config gives one), 1.0 for every other RoPE."""
-    if not isinstance(scaling, YarnScaling):
-        return 1.0
-    if scaling.attention_factor is not None:
-        return float(scaling.attention_factor)
-    return 1.0 if scaling.factor <= 1 else 0.1 * math.log(scaling.factor) + 1.0
-
-
-def rope_cos_sin(inv_freq, position_ids, attention_factor: float = 1.0):
-    """f32[rd/2], i32[B,T] -> (cos, sin) f32[B,T,rd], both times attention_factor (YaRN)."""
-    freqs = position_ids[..., None].astype(jnp.float32) * inv_freq.astype(jnp.float32)  # f32[B,T,rd/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
-    if attention_factor != 1.0:  # f32 multiply by the rounded factor, as torch's tensor * python float
-        cos, sin = cos * jnp.float32(attention_factor), sin * jnp.float32(attention_factor)
-    return cos, sin
-
 
 def _rotate_half(x):
     x1, x2 = jnp.split(x, 2, axis=-1)
@@ -323,16 +238,17 @@ def default_positions(input_ids):  # right padding: 0..T-1 per row
     return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
 
 
-def layer_inputs(attention_mask, position_ids=None, *, inv_freq=None, alibi_heads: int | None = None,
+def layer_inputs(attention_mask, position_ids=None, *, rope=None, alibi_heads: int | None = None,
                  sliding_window: int | None = None) -> LayerInputs:
-    """The mask and position encoding every layer of one forward shares (RoPE if inv_freq, ALiBi if
-    alibi_heads). Left-padded generation passes HF's positions (mask cumsum - 1) as position_ids."""
+    """The mask and position encoding every layer of one forward shares (RoPE if `rope`, a
+    models/rope.Rope; ALiBi if alibi_heads). Left-padded generation passes HF's positions (mask
+    cumsum - 1) as position_ids."""
     mask = causal_mask(attention_mask, sliding_window)
     cos = sin = alibi = None
-    if inv_freq is not None:
+    if rope is not None:
         if position_ids is None:
             position_ids = default_positions(attention_mask)
-        cos, sin = rope_cos_sin(inv_freq, position_ids)
+        cos, sin = _rope.cos_sin(rope, position_ids)
     if alibi_heads is not None:
         alibi = alibi_bias(alibi_slopes(alibi_heads), attention_mask)
     return LayerInputs(mask, cos, sin, alibi)

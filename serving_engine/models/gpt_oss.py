@@ -6,13 +6,11 @@ factor; the MoE MLP (a grouped matmul over the experts) runs on the flat token a
 from __future__ import annotations
 
 from conversion import gpt_oss as conversion
-from jax_oracles.models.gpt_oss import (GptOssAttention, GptOssForCausalLM, GptOssMLP, rope_attention_factor,
-                                        rope_inv_freq)
+from jax_oracles.models.gpt_oss import GptOssAttention, GptOssForCausalLM, GptOssMLP
 from serving_engine.models.paged_decoder import paged_functions
 
 __all__ = ["load_model", "forward_paged", "decoder_layer_paged", "compute_logits"]
 
-_PAGED = paged_functions(GptOssForCausalLM, rope_inv_freq, conversion, rope_attention_factor,
-                         attention=GptOssAttention, mlp=GptOssMLP)
+_PAGED = paged_functions(GptOssForCausalLM, conversion, attention=GptOssAttention, mlp=GptOssMLP)
 load_model, forward_paged = _PAGED.load_model, _PAGED.forward_paged
 decoder_layer_paged, compute_logits = _PAGED.decoder_layer_paged, _PAGED.compute_logits

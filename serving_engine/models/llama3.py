@@ -3,11 +3,11 @@ on the modules of jax_oracles/models/llama3.py."""
 from __future__ import annotations
 
 from conversion import llama3 as conversion
-from jax_oracles.models.llama3 import LlamaForCausalLM, rope_inv_freq
+from jax_oracles.models.llama3 import LlamaForCausalLM
 from serving_engine.models.paged_decoder import paged_functions
 
 __all__ = ["load_model", "forward_paged", "decoder_layer_paged", "compute_logits"]
 
-_PAGED = paged_functions(LlamaForCausalLM, rope_inv_freq, conversion)
+_PAGED = paged_functions(LlamaForCausalLM, conversion)
 load_model, forward_paged = _PAGED.load_model, _PAGED.forward_paged
 decoder_layer_paged, compute_logits = _PAGED.decoder_layer_paged, _PAGED.compute_logits

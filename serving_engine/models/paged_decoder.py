@@ -4,8 +4,9 @@ torch_sources/serving/models/paged_decoder.py.
 The math is the family's Linen modules (jax_oracles/models/<family>.py), each bound to its own param
 subtree: the layer's attention (its `project_qkv` hook gives q, k, v before RoPE, with Qwen2's biases and
 Qwen3's per-head q/k norms), its MLP (GPT-OSS: the MoE), its RMSNorms. What a family adds is read off its
-own modules: an attention may carry `sliding_window`, `sinks` and `scaling`, and `rope_attention_factor`
-(YaRN) scales cos and sin. Only the attention core differs from the training model: the step's new K/V
+own modules: an attention may carry `sliding_window`, `sinks` and `scaling`, and the config's `rope`
+(jax_oracles/models/rope.py) gives the table and YaRN's factor on cos and sin (a rope whose table moves with
+the sequence length, longrope or dynamic, is refused). Only the attention core differs from the training model: the step's new K/V
 are written to the paged cache by slot and the queries attend over the cache through the block table
 (ragged, bottom-right causal), so prefill, decode and chunked prefill of many sequences are one flat call
 over T tokens.
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 
 import flax.linen as nn
 
+from jax_oracles.models import rope
 from jax_oracles.models.layers import RMSNorm, apply_rope, rope_cos_sin
 from serving_engine.models.common import PagedModel
 from serving_engine.paged_attention import (AttentionMetadata, PagedKVCache, ragged_paged_attention,
@@ -24,11 +26,10 @@ from serving_engine.paged_attention import (AttentionMetadata, PagedKVCache, rag
 __all__ = ["paged_functions"]
 
 
-def paged_functions(causal_lm, rope_inv_freq, conversion, rope_attention_factor=None, *, attention=None,
-                    mlp=None) -> SimpleNamespace:
+def paged_functions(causal_lm, conversion, *, attention=None, mlp=None) -> SimpleNamespace:
     """The four functions the model runner calls (load_model, forward_paged, decoder_layer_paged,
-    compute_logits) for a pre-norm Linen causal LM class, its family's `rope_inv_freq(config)` (and
-    `rope_attention_factor(config)` where RoPE is YaRN-scaled) and its conversion module (load_config,
+    compute_logits) for a pre-norm Linen causal LM class whose config carries its `rope`, and its
+    conversion module (load_config,
     load_params). `attention(config, layer_idx)` and `mlp(config)` build layer i's modules; by default
     the Llama blocks' `attention` and `feed_forward` of `causal_lm.decoder_layer`."""
     if attention is None:
@@ -39,11 +40,12 @@ def paged_functions(causal_lm, rope_inv_freq, conversion, rope_attention_factor=
     def load_model(model_dir):
         """(config, PagedModel(config, Linen params)) of an HF checkpoint directory."""
         config = conversion.load_config(model_dir)
+        rope.static_inv_freq(config.rope, f"serving {model_dir}")  # refuse before any request
         return config, PagedModel(config, conversion.load_params(model_dir))
 
     def _rope(config, positions):  # i32[T] -> (cos, sin) f32[1,T,hd]
-        factor = rope_attention_factor(config) if rope_attention_factor else 1.0
-        return rope_cos_sin(rope_inv_freq(config), positions[None], factor)
+        r = config.rope
+        return rope_cos_sin(rope.static_inv_freq(r, "the paged engine"), positions[None], rope.attention_factor(r))
 
     def _norm(params, x, eps: float):
         return RMSNorm(eps).apply({"params": params}, x)

@@ -4,11 +4,11 @@ unbiased o_proj, a tied head on the small releases)."""
 from __future__ import annotations
 
 from conversion import qwen2 as conversion
-from jax_oracles.models.qwen2 import Qwen2ForCausalLM, rope_inv_freq
+from jax_oracles.models.qwen2 import Qwen2ForCausalLM
 from serving_engine.models.paged_decoder import paged_functions
 
 __all__ = ["load_model", "forward_paged", "decoder_layer_paged", "compute_logits"]
 
-_PAGED = paged_functions(Qwen2ForCausalLM, rope_inv_freq, conversion)
+_PAGED = paged_functions(Qwen2ForCausalLM, conversion)
 load_model, forward_paged = _PAGED.load_model, _PAGED.forward_paged
 decoder_layer_paged, compute_logits = _PAGED.decoder_layer_paged, _PAGED.compute_logits

@@ -17,15 +17,30 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
+from torch_sources.models.config_keys import DROPOUT, ConfigError, KeyAudit
 from torch_sources.models.layers import (LayerInputs, LayerNorm, PlainMLP, alibi_bias, alibi_slopes, attend,
                                          causal_mask, eager_attention, layer_norm)
 from torch_sources.models.loading import load_config, load_pretrained
 
 __all__ = [
-    "BloomConfig",
+    "CONFIG_KEYS", "BloomConfig",
     "layer_norm", "alibi_slopes", "alibi_bias", "causal_mask", "eager_attention", "split_qkv", "layer_inputs",
     "BloomLayerNorm", "BloomMLP", "BloomAttention", "BloomDecoderLayer", "BloomModel", "BloomForCausalLM",
 ]
+
+
+_NOT_READ = "transformers' BLOOM does not read it (a Megatron-DeepSpeed training-time key)"
+CONFIG_KEYS = KeyAudit(
+    "bloom",
+    honored=frozenset({"vocab_size", "hidden_size", "n_layer", "n_head", "layer_norm_epsilon",
+                       "apply_residual_connection_post_layernorm", "pretraining_tp", "slow_but_exact",
+                       "num_hidden_layers", "num_attention_heads", "n_embed"}),
+    ignored={"attention_dropout": DROPOUT, "hidden_dropout": DROPOUT,
+             **{k: _NOT_READ for k in ("attention_softmax_in_fp32", "bias_dropout_fusion", "masked_softmax_fusion",
+                                     "offset_alibi", "skip_bias_add", "skip_bias_add_qkv", "n_inner", "unk_token_id",
+                                     "seq_length")}},
+    refused={"tie_word_embeddings": ((True, None), "every BLOOM release ties the head to the embedding; an untied "
+                                                  "head is not implemented")})
 
 
 @dataclass(frozen=True)
@@ -39,21 +54,23 @@ class BloomConfig:
     pretraining_tp: int = 1
     slow_but_exact: bool = False
     tie_word_embeddings: bool = True
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
-    pad_token_id: int | None = None
 
     def __post_init__(self):
         assert self.hidden_size % self.n_head == 0, (self.hidden_size, self.n_head)
         # HF's slow_but_exact re-sums the output projections in pretraining_tp slices; no release enables it.
-        assert not (self.slow_but_exact and self.pretraining_tp > 1), "slow_but_exact TP slicing not supported"
-        assert self.tie_word_embeddings, "BLOOM releases tie the head to the embedding"
+        if self.slow_but_exact and self.pretraining_tp > 1:
+            raise ConfigError("bloom config not supported by this source: slow_but_exact with pretraining_tp="
+                              f"{self.pretraining_tp} (the sliced re-summation is not implemented)")
 
     @classmethod
     def from_hf(cls, d: dict) -> "BloomConfig":
+        """Every key accounted for (CONFIG_KEYS); transformers' aliases (num_hidden_layers, num_attention_heads,
+        the oldest configs' n_embed) read as its attribute_map reads them."""
+        CONFIG_KEYS.check(d)
         d = dict(d)
-        if "n_embed" in d:  # the oldest BLOOM configs
-            d.setdefault("hidden_size", d.pop("n_embed"))
+        for alias, name in (("n_embed", "hidden_size"), ("num_hidden_layers", "n_layer"), ("num_attention_heads", "n_head")):
+            if alias in d:
+                d.setdefault(name, d.pop(alias))
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
     @classmethod

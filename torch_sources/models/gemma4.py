@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torch_sources.models import rope
 from torch_sources.models.loading import load_config, load_state_dict
 
 __all__ = [
@@ -240,15 +241,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 def rope_inv_freq(config: Gemma4TextConfig, layer_type: str) -> torch.Tensor:
     """f32[hd/2] for the layer type's head dim. "proportional": the first
     int(partial_rotary_factor * hd / 2) pairs get theta^(-2i/hd), the rest frequency 0."""
-    p = config.rope_parameters[layer_type]
-    hd, theta = config.type_head_dim(layer_type), p["rope_theta"]
-    if p["rope_type"] == "default":
-        return 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
-    assert p["rope_type"] == "proportional", p
-    rotated = int(p.get("partial_rotary_factor", 1.0) * hd // 2)
-    inv = 1.0 / (theta ** (torch.arange(0, 2 * rotated, 2, dtype=torch.float) / hd))
-    inv = torch.cat([inv, torch.zeros(hd // 2 - rotated)])
-    return inv / p.get("factor", 1.0)
+    return rope.inv_freq(layer_rope(config, layer_type))
+
+
+def layer_rope(config: Gemma4TextConfig, layer_type: str) -> rope.Rope:
+    """The layer type's RoPE block, read by models/rope.py (the table is computed there)."""
+    return rope.read_rope({"rope_parameters": config.rope_parameters[layer_type]}, config.type_head_dim(layer_type),
+                          what=f"gemma4 rope_parameters[{layer_type!r}]")
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

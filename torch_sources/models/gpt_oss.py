@@ -4,7 +4,8 @@ transformers' modeling_gpt_oss.py composed from the shared layers (models/layers
 - layers alternate sliding / full attention (`layer_types`; a sliding layer's query at t sees keys s with
   t - s < sliding_window), every projection biased, and a learned per-head attention sink, one extra logit
   in the softmax's normaliser (layers.eager_attention's `sinks`);
-- YaRN RoPE (rotate-half), whose cos and sin carry the attention factor 0.1 ln(factor) + 1;
+- YaRN RoPE (rotate-half; models/rope.py), whose cos and sin carry the attention factor (0.1 ln(factor) + 1,
+  or the mscale / mscale_all_dim ratio where a config sets both);
 - a mixture-of-experts MLP: the router takes the top-k logits and softmaxes over those k; each expert is a
   clamped SwiGLU on an INTERLEAVED gate_up (gate = even columns, up = odd), `(up + 1) * gate * sigmoid(1.702
   gate)`, with gate <= limit and |up| <= limit; the outputs are weighted by the routing weights and summed;
@@ -21,19 +22,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torch_sources.models import layers
-from torch_sources.models.layers import (LayerInputs, RMSNorm, YarnScaling, apply_rope, causal_mask,
-                                         default_positions, eager_attention, rms_norm, rope_cos_sin)
+from torch_sources.models import layers, rope
+from torch_sources.models.config_keys import DROPOUT, ROPE_KEYS, ConfigError, KeyAudit
+from torch_sources.models.layers import (LayerInputs, RMSNorm, apply_rope, causal_mask, default_positions,
+                                         eager_attention, rms_norm, rope_cos_sin)
 from torch_sources.models.loading import load_config, load_state_dict
+from torch_sources.models.rope import Rope, read_rope
 from torch_sources.models.mxfp4 import dequantize_mxfp4
 
 __all__ = [
-    "YarnScaling", "GptOssConfig",
+    "CONFIG_KEYS", "GptOssConfig",
     "rms_norm", "rope_inv_freq", "rope_attention_factor", "rope_cos_sin", "apply_rope", "causal_mask",
     "eager_attention", "layer_inputs", "route", "swiglu_clamped",
     "GptOssRMSNorm", "GptOssAttention", "GptOssTopKRouter", "GptOssExperts", "GptOssMLP", "GptOssDecoderLayer",
     "GptOssModel", "GptOssForCausalLM",
 ]
+
+
+CONFIG_KEYS = KeyAudit(
+    "gpt_oss",
+    honored=frozenset({"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "sliding_window",
+                       "layer_types", "num_local_experts", "num_experts", "num_experts_per_tok", "swiglu_limit",
+                       "swiglu_alpha", "attention_bias", "tie_word_embeddings", "experts_per_token"}) | ROPE_KEYS,
+    ignored={"attention_dropout": DROPOUT,
+             "hidden_act": "transformers' GPT-OSS does not read it (its experts' clamped SwiGLU is fixed)",
+             "initial_context_length": "transformers does not read it (the release's YaRN block carries the length)",
+             "quantization_config": "the stored format of the experts (mxfp4 blocks and scales); the loader "
+                                    "dequantizes by tensor name (models/mxfp4.py)",
+             "router_aux_loss_coef": "read only under output_router_logits, which is refused"},
+    refused={"output_router_logits": ((False, None), "the router's auxiliary loss in the training loss is not "
+                                                      "implemented")})
 
 
 @dataclass(frozen=True)
@@ -46,8 +65,7 @@ class GptOssConfig:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: YarnScaling | None
+    rope: Rope
     max_position_embeddings: int
     sliding_window: int
     layer_types: tuple[str, ...]
@@ -57,43 +75,38 @@ class GptOssConfig:
     swiglu_alpha: float = 1.702  # not in the release's config.json: transformers' constant
     attention_bias: bool = True
     tie_word_embeddings: bool = False
-    hidden_act: str = "silu"
-    bos_token_id: int | None = None
-    eos_token_id: int | tuple[int, ...] | None = None
-    pad_token_id: int | None = None
 
     def __post_init__(self):
         assert self.num_attention_heads % self.num_key_value_heads == 0
         assert len(self.layer_types) == self.num_hidden_layers, self.layer_types
-        assert set(self.layer_types) <= {"sliding_attention", "full_attention"}, self.layer_types
+        if set(self.layer_types) - {"sliding_attention", "full_attention"}:
+            raise ConfigError(f"gpt_oss config: layer_types={list(self.layer_types)}")
 
     @classmethod
     def from_hf(cls, d: dict) -> "GptOssConfig":
         """Either config.json form: the release's (`rope_theta` + `rope_scaling`) or transformers 5's
-        (`rope_parameters`, theta inside)."""
+        (`rope_parameters`, theta inside); every key accounted for (CONFIG_KEYS). With no RoPE block,
+        transformers' default (YaRN factor 32 over 4096, truncate false). The router's top-k is
+        `num_experts_per_tok` (default 4): transformers does not read the release's `experts_per_token`,
+        so a config where the two differ is refused."""
+        CONFIG_KEYS.check(d)
         d = dict(d)
-        rope = dict(d.pop("rope_parameters", None) or {})
-        if rope:  # when present it is the truth (a transformers 5 dict may also carry rope_scaling: null)
-            d["rope_theta"] = rope.pop("rope_theta", d.get("rope_theta"))
-            d["rope_scaling"] = rope
-        scaling = dict(d.get("rope_scaling") or {})
-        rope_type = scaling.pop("type", scaling.get("rope_type", "default"))
-        if rope_type == "default":
-            d["rope_scaling"] = None
-        else:
-            assert rope_type == "yarn", f"unsupported rope_type {rope_type}"
-            scaling["rope_type"] = "yarn"
-            d["rope_scaling"] = YarnScaling(**{f.name: scaling[f.name] for f in fields(YarnScaling)
-                                               if scaling.get(f.name) is not None})
         if d.get("head_dim") is None:
             d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+        if not (d.get("rope_scaling") or d.get("rope_parameters")):
+            d["rope_parameters"] = dict(DEFAULT_ROPE)
+        d["rope"] = read_rope(d, d["head_dim"], default_theta=150_000.0, what="gpt_oss config")
         if d.get("layer_types") is None:  # transformers' default: even layers slide
             d["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
                                 for i in range(d["num_hidden_layers"])]
         d["layer_types"] = tuple(d["layer_types"])
-        d.setdefault("num_experts_per_tok", d.get("experts_per_token"))
-        if isinstance(d.get("eos_token_id"), list):
-            d["eos_token_id"] = tuple(d["eos_token_id"])
+        if "num_experts" in d:  # transformers' attribute_map alias
+            d.setdefault("num_local_experts", d.pop("num_experts"))
+        d.setdefault("num_experts_per_tok", 4)
+        if d.get("experts_per_token") not in (None, d["num_experts_per_tok"]):
+            raise ConfigError(f"gpt_oss config: experts_per_token={d['experts_per_token']} differs from "
+                              f"num_experts_per_tok={d['num_experts_per_tok']} (transformers routes to the latter and "
+                              f"does not read the former); refusing to guess the router's top-k")
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
     @classmethod
@@ -104,6 +117,10 @@ class GptOssConfig:
     def norm_eps(self) -> float:  # the family-neutral name the generic checks read
         return self.rms_norm_eps
 
+    @property
+    def rope_theta(self) -> float:
+        return self.rope.theta
+
     def layer_sliding_window(self, i: int) -> int | None:
         """Layer i's window (keys with t - s < window), None on a full-attention layer."""
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
@@ -111,13 +128,19 @@ class GptOssConfig:
 
 # ---- operators (the shared layers, at the config's settings; and GPT-OSS's own) -------------
 
-def rope_inv_freq(config: GptOssConfig):  # -> f32[hd/2]
-    return layers.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+# transformers' GptOssConfig default when a config carries no RoPE block
+DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
+
+
+def rope_inv_freq(config: GptOssConfig) -> torch.Tensor:  # -> f32[hd/2] (models/rope.py)
+    return rope.inv_freq(config.rope)
 
 
 def rope_attention_factor(config: GptOssConfig) -> float:
-    """YaRN's cos/sin multiplier: the config's attention_factor, else 0.1 ln(factor) + 1 (1.3466 at 32)."""
-    return layers.rope_attention_factor(config.rope_scaling)
+    """YaRN's cos/sin multiplier: the config's attention_factor, else from mscale / mscale_all_dim, else
+    0.1 ln(factor) + 1 (1.3466 at 32)."""
+    return rope.attention_factor(config.rope)
 
 
 def layer_inputs(config: GptOssConfig, attention_mask, position_ids=None) -> LayerInputs:
@@ -125,8 +148,7 @@ def layer_inputs(config: GptOssConfig, attention_mask, position_ids=None) -> Lay
     the mask to their window themselves (GptOssAttention.mask)."""
     if position_ids is None:
         position_ids = default_positions(attention_mask)
-    cos, sin = rope_cos_sin(rope_inv_freq(config).to(attention_mask.device), position_ids,
-                            rope_attention_factor(config))
+    cos, sin = rope.cos_sin(config.rope, position_ids.to(attention_mask.device))
     return LayerInputs(causal_mask(attention_mask), cos, sin)
 
 

@@ -3,9 +3,9 @@
 Each family file composes these pieces and keeps only what is truly its own (its projections, its
 residual wiring, its checkpoint names). Numerics follow transformers 5.24:
 - RMSNorm computes in fp32 and casts back before the weight; LayerNorm is torch's (biased or not);
-- RoPE: rotate-half layout, inverse frequencies in fp32 (`modeling_rope_utils`: default, llama3 and
-  YaRN scaling; YaRN also scales cos and sin by its attention factor), partial rotary rotates the first
-  `rotary_dim` channels and passes the rest through;
+- RoPE: rotate-half layout; the tables of every rope type and both config forms are models/rope.py's
+  (`layer_inputs(..., rope=)` takes its cos/sin); partial rotary rotates the first `rotary_dim` channels
+  and passes the rest through;
 - ALiBi: BLOOM's slopes (the extra heads of a non-power-of-two count take the odd powers of 2p's
   base) times the key's position from the mask cumsum, added to the scaled scores;
 - masks: causal & key padding & (optionally) sliding window, a key allowed iff q - k < window;
@@ -18,42 +18,22 @@ residual wiring, its checkpoint names). Numerics follow transformers 5.24:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torch_sources.models import rope as _rope
+from torch_sources.models.rope import rope_cos_sin
+
 __all__ = [
-    "RopeScaling", "YarnScaling", "LayerInputs", "ACTIVATIONS",
-    "rms_norm", "layer_norm", "rope_inv_freq", "rope_attention_factor", "rope_cos_sin", "apply_rope",
+    "LayerInputs", "ACTIVATIONS",
+    "rms_norm", "layer_norm", "rope_cos_sin", "apply_rope",
     "alibi_slopes", "alibi_bias",
     "causal_mask", "eager_attention", "attend", "default_positions", "layer_inputs",
     "RMSNorm", "LayerNorm", "GatedMLP", "PlainMLP",
 ]
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """config.json `rope_scaling` of Llama 3.1 (rope_type "llama3")."""
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-    rope_type: str = "llama3"
-
-
-@dataclass(frozen=True)
-class YarnScaling:
-    """config.json `rope_scaling` (transformers 5: `rope_parameters`) of rope_type "yarn" (GPT-OSS)."""
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True  # HF's default; GPT-OSS's release sets false
-    attention_factor: float | None = None  # None: 0.1 ln(factor) + 1
-    rope_type: str = "yarn"
 
 
 class LayerInputs(NamedTuple):
@@ -108,64 +88,6 @@ class LayerNorm(nn.Module):
 
 
 # ---- positions ------------------------------------------------------------------------------
-
-def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | YarnScaling | None = None):  # -> f32[dim/2]
-    """theta^(-2i/dim) in fp32; `dim` is the rotary dim (head_dim, or less for partial rotary)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    if scaling is None:
-        return inv_freq
-    if isinstance(scaling, YarnScaling):
-        return _yarn_inv_freq(dim, theta, scaling)
-    s = scaling
-    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    smoothed = (1 - smooth) * inv_freq_llama / s.factor + smooth * inv_freq_llama
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, inv_freq_llama)
-
-
-def _yarn_inv_freq(dim: int, theta: float, s: YarnScaling):  # -> f32[dim/2]
-    """YaRN: frequencies that turn fewer than beta_slow times over the original context are interpolated
-    (divided by `factor`), those turning more than beta_fast times kept, a linear ramp between (over the
-    pair index). The ramp's ends d(r) = dim ln(orig / (2 pi r)) / (2 ln theta), floored/ceiled only if
-    `truncate`, clamped to [0, dim-1]."""
-    def pair_index(rotations: float) -> float:
-        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = pair_index(s.beta_fast), pair_index(s.beta_slow)
-    if s.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # a zero-width ramp would divide by zero
-    theta_pow = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)  # theta^(2i/dim)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # 0: keep, 1: interpolate
-    keep = 1 - ramp
-    return (1.0 / (s.factor * theta_pow)) * (1 - keep) + (1.0 / theta_pow) * keep
-
-
-def rope_attention_factor(scaling: RopeScaling | YarnScaling | None) -> float:
-    """What cos and sin are multiplied by: YaRN's attention factor (given, else 0.1 ln(factor) + 1 for
-    factor > 1), 1.0 for every other rope."""
-    if not isinstance(scaling, YarnScaling):
-        return 1.0
-    if scaling.attention_factor is not None:
-        return float(scaling.attention_factor)
-    return 0.1 * math.log(scaling.factor) + 1.0 if scaling.factor > 1 else 1.0
-
-
-def rope_cos_sin(inv_freq, position_ids, attention_factor: float = 1.0):
-    """f32[rd/2], i32[B,T] -> (cos, sin) f32[B,T,rd], both times attention_factor (YaRN's; 1.0 otherwise)."""
-    freqs = position_ids[..., None].float() * inv_freq.float()  # f32[B,T,rd/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    if attention_factor == 1.0:
-        return emb.cos(), emb.sin()
-    return emb.cos() * attention_factor, emb.sin() * attention_factor
-
 
 def _rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
@@ -252,16 +174,17 @@ def default_positions(input_ids):  # right padding: 0..T-1 per row
     return torch.arange(T, device=input_ids.device)[None].expand(B, T)
 
 
-def layer_inputs(attention_mask, position_ids=None, *, inv_freq=None, alibi_heads: int | None = None,
+def layer_inputs(attention_mask, position_ids=None, *, rope=None, alibi_heads: int | None = None,
                  sliding_window: int | None = None) -> LayerInputs:
-    """The mask and position encoding every layer of one forward shares (RoPE if inv_freq, ALiBi if
-    alibi_heads). Left-padded generation passes HF's positions (mask cumsum - 1) as position_ids."""
+    """The mask and position encoding every layer of one forward shares (RoPE if `rope`, a
+    models/rope.Rope; ALiBi if alibi_heads). Left-padded generation passes HF's positions (mask
+    cumsum - 1) as position_ids."""
     mask = causal_mask(attention_mask, sliding_window)
     cos = sin = alibi = None
-    if inv_freq is not None:
+    if rope is not None:
         if position_ids is None:
             position_ids = default_positions(attention_mask)
-        cos, sin = rope_cos_sin(inv_freq.to(attention_mask.device), position_ids)
+        cos, sin = _rope.cos_sin(rope, position_ids.to(attention_mask.device))
     if alibi_heads is not None:
         alibi = alibi_bias(alibi_slopes(alibi_heads).to(attention_mask.device), attention_mask)
     return LayerInputs(mask, cos, sin, alibi)

@@ -1,7 +1,7 @@
 """Llama 3 / 3.1 in pure PyTorch, eager fp32: the reference the JAX twin is held against.
 
 transformers' modeling_llama.py composed from the shared layers (models/layers.py): pre-norm RMSNorm
-blocks, llama3-scaled RoPE, GQA eager attention, SwiGLU. What is Llama's own: the config keys and
+blocks, RoPE of any type transformers applies (models/rope.py; the releases use llama3 scaling), GQA eager attention, SwiGLU. What is Llama's own: the config keys and
 the checkpoint names. Submodule names equal the HF state-dict keys, so a checkpoint loads with
 load_state_dict. The other Llama-shaped families (Mistral, Qwen2, Qwen3) reuse this file's blocks.
 """
@@ -13,16 +13,29 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from torch_sources.models import layers
-from torch_sources.models.layers import (GatedMLP, LayerInputs, RMSNorm, RopeScaling, apply_rope, attend,
-                                         causal_mask, eager_attention, rms_norm, rope_cos_sin)
+from torch_sources.models import layers, rope
+from torch_sources.models.config_keys import DROPOUT, ROPE_KEYS, KeyAudit
+from torch_sources.models.layers import (GatedMLP, LayerInputs, RMSNorm, apply_rope, attend, causal_mask,
+                                         eager_attention, rms_norm, rope_cos_sin)
 from torch_sources.models.loading import load_config, load_pretrained
+from torch_sources.models.rope import Rope, read_rope
 
 __all__ = [
-    "RopeScaling", "LlamaConfig",
-    "rms_norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention", "layer_inputs",
+    "CONFIG_KEYS", "LlamaConfig",
+    "rms_norm", "rope_inv_freq", "rope_attention_factor", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention", "layer_inputs",
     "LlamaRMSNorm", "LlamaMLP", "LlamaAttention", "LlamaDecoderLayer", "LlamaModel", "LlamaForCausalLM",
 ]
+
+
+# Every key of transformers' LlamaConfig and of the releases' config.json (models/config_keys.py).
+CONFIG_KEYS = KeyAudit(
+    "llama",
+    honored=frozenset({"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
+                       "tie_word_embeddings", "attention_bias", "mlp_bias"}) | ROPE_KEYS,
+    ignored={"attention_dropout": DROPOUT, "pretraining_tp": "transformers 5.24's Llama does not read it (Llama 2's sliced matmuls, "
+             "the same sums)"},
+    refused={"hidden_act": (("silu",), "SwiGLU is Llama's MLP")})
 
 
 @dataclass(frozen=True)
@@ -35,36 +48,25 @@ class LlamaConfig:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: RopeScaling | None
+    rope: Rope
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
     hidden_act: str = "silu"
-    bos_token_id: int | None = None
-    eos_token_id: int | tuple[int, ...] | None = None
 
     def __post_init__(self):
-        assert self.hidden_act == "silu", self.hidden_act
         assert self.num_attention_heads % self.num_key_value_heads == 0
 
     @classmethod
     def from_hf(cls, d: dict) -> "LlamaConfig":
+        """Either config.json form (the release's `rope_theta` + `rope_scaling`, transformers 5's
+        `rope_parameters`); every key accounted for (CONFIG_KEYS), the RoPE read by models/rope.py."""
+        CONFIG_KEYS.check(d)
         d = dict(d)
-        d.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])  # 3.1 configs omit it
-        if "rope_parameters" in d and "rope_theta" not in d:  # transformers>=5 writes this form
-            rope = dict(d["rope_parameters"])
-            d["rope_theta"] = rope.pop("rope_theta")
-            d["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
-        scaling = d.get("rope_scaling")
-        if scaling is not None:
-            scaling = dict(scaling)
-            scaling["rope_type"] = scaling.pop("type", scaling.get("rope_type", "llama3"))
-            assert scaling["rope_type"] == "llama3", f"unsupported rope_type {scaling['rope_type']}"
-            d["rope_scaling"] = RopeScaling(**{f.name: scaling[f.name] for f in fields(RopeScaling)})
-        if isinstance(d.get("eos_token_id"), list):
-            d["eos_token_id"] = tuple(d["eos_token_id"])
+        if d.get("head_dim") is None:  # 3.1 configs omit it
+            d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+        d["rope"] = read_rope(d, d["head_dim"], what="llama config")
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
     @classmethod
@@ -75,15 +77,24 @@ class LlamaConfig:
     def norm_eps(self) -> float:  # the family-neutral name the generic checks read
         return self.rms_norm_eps
 
+    @property
+    def rope_theta(self) -> float:
+        return self.rope.theta
+
 
 # ---- operators (the shared layers, at the config's settings) --------------------------------
 
-def rope_inv_freq(config: LlamaConfig):  # -> f32[hd/2]
-    return layers.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+def rope_inv_freq(config) -> torch.Tensor:  # -> f32[rotary_dim/2]: the table at init (models/rope.py)
+    return rope.inv_freq(config.rope)
 
 
-def layer_inputs(config: LlamaConfig, attention_mask, position_ids=None) -> LayerInputs:
-    return layers.layer_inputs(attention_mask, position_ids, inv_freq=rope_inv_freq(config))
+def rope_attention_factor(config) -> float:  # YaRN's or longrope's cos/sin multiplier, else 1.0
+    return rope.attention_factor(config.rope)
+
+
+def layer_inputs(config, attention_mask, position_ids=None) -> LayerInputs:
+    """The mask and cos/sin every layer shares (Qwen2 and Qwen3 share it too)."""
+    return layers.layer_inputs(attention_mask, position_ids, rope=config.rope)
 
 
 # ---- modules --------------------------------------------------------------------------------

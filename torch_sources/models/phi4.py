@@ -5,8 +5,9 @@ so this file reuses models/llama3.py's blocks and keeps only what is Phi's own:
 - one fused `qkv_proj` [(N + 2K) * hd, D] whose output rows are [Q | K | V];
 - one fused `gate_up_proj` [2I, D] whose first half is the gate: down(up * silu(gate));
 - partial rotary: `partial_rotary_factor` rotates the first rotary_dim channels of each head and passes
-  the rest through (Phi-4-mini uses 0.75; Phi-4 itself rotates all of head_dim). Only the default RoPE
-  is supported here, not Phi-3.5/4-mini's `longrope` scaling;
+  the rest through (Phi-4-mini uses 0.75; Phi-4 itself rotates all of head_dim), with any rope type of
+  models/rope.py: Phi-4's plain RoPE, Phi-3.5/4-mini's `longrope` (short factors up to
+  original_max_position_embeddings, long ones past it, and its attention factor);
 - an optional sliding window (Phi-3-mini has one; Phi-4's `sliding_window` is null).
 The residual and embedding dropouts (`resid_pdrop`, `embd_pdrop`) are identities in eval and omitted.
 """
@@ -17,18 +18,33 @@ from dataclasses import dataclass, fields
 
 from torch import nn
 
-from torch_sources.models import layers
+from torch_sources.models import layers, llama3
+from torch_sources.models.config_keys import DROPOUT, ROPE_KEYS, KeyAudit
 from torch_sources.models.layers import (LayerInputs, RMSNorm, apply_rope, attend, causal_mask, eager_attention,
                                          rms_norm, rope_cos_sin)
 from torch_sources.models.llama3 import LlamaDecoderLayer, LlamaForCausalLM
 from torch_sources.models.loading import load_config, load_pretrained
+from torch_sources.models.rope import Rope, read_rope
 
 __all__ = [
-    "Phi3Config",
-    "rms_norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention", "layer_inputs",
+    "CONFIG_KEYS", "Phi3Config",
+    "rms_norm", "rope_inv_freq", "rope_attention_factor", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention", "layer_inputs",
     "split_qkv",
     "Phi3RMSNorm", "Phi3MLP", "Phi3Attention", "Phi3DecoderLayer", "Phi3ForCausalLM",
 ]
+
+
+CONFIG_KEYS = KeyAudit(
+    "phi3",
+    honored=frozenset({"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "sliding_window",
+                       "tie_word_embeddings", "partial_rotary_factor", "original_max_position_embeddings"}) | ROPE_KEYS,
+    ignored={"attention_dropout": DROPOUT, "resid_pdrop": DROPOUT, "embd_pdrop": DROPOUT},
+    refused={"hidden_act": (("silu",), "SwiGLU is Phi-3's MLP"),
+             "attention_bias": ((False, None), "transformers' Phi-3 has no projection biases (it does not read the key; "
+                                               "Phi-4's release writes false)")})
+# Phi3Config's own default: transformers takes longrope's original length from this attribute, not the dict.
+ORIGINAL_MAX_POSITION_EMBEDDINGS = 4096
 
 
 @dataclass(frozen=True)
@@ -39,34 +55,30 @@ class Phi3Config:
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
+    head_dim: int
     rms_norm_eps: float
-    rope_theta: float
+    rope: Rope
     max_position_embeddings: int
-    partial_rotary_factor: float = 1.0
     sliding_window: int | None = None
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
-    bos_token_id: int | None = None
-    eos_token_id: int | tuple[int, ...] | None = None
-    pad_token_id: int | None = None
 
     def __post_init__(self):
-        assert self.hidden_act == "silu", self.hidden_act
         assert self.num_attention_heads % self.num_key_value_heads == 0
         assert self.rotary_dim % 2 == 0, self.rotary_dim
 
     @classmethod
     def from_hf(cls, d: dict) -> "Phi3Config":
+        """Either config.json form; every key accounted for (CONFIG_KEYS), the RoPE read by models/rope.py:
+        Phi-4's plain RoPE, Phi-4-mini's longrope with partial rotary 0.75 (the legacy types `su` and `yarn`
+        are longrope, as transformers' Phi3Config reads them)."""
+        CONFIG_KEYS.check(d)
         d = dict(d)
-        if "rope_parameters" in d and "rope_theta" not in d:  # transformers>=5 writes this form
-            rope = dict(d["rope_parameters"])
-            d["rope_theta"] = rope["rope_theta"]
-            d["partial_rotary_factor"] = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-            d["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
-        if d.get("rope_scaling") is not None:
-            raise ValueError(f"unsupported rope_scaling {d['rope_scaling']} (only the default RoPE; no longrope)")
-        if isinstance(d.get("eos_token_id"), list):
-            d["eos_token_id"] = tuple(d["eos_token_id"])
+        if d.get("head_dim") is None:  # the releases carry none; transformers: getattr(config, "head_dim")
+            d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+        d.setdefault("original_max_position_embeddings", ORIGINAL_MAX_POSITION_EMBEDDINGS)
+        d["rope"] = read_rope(d, d["head_dim"], partial_rotary=True, aliases={"su": "longrope", "yarn": "longrope"},
+                              top_level_original=True, what="phi3 config")
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
     @classmethod
@@ -74,12 +86,16 @@ class Phi3Config:
         return cls.from_hf(load_config(path))
 
     @property
-    def head_dim(self) -> int:  # Phi-3/4 configs carry no head_dim key
-        return self.hidden_size // self.num_attention_heads
+    def rope_theta(self) -> float:
+        return self.rope.theta
+
+    @property
+    def partial_rotary_factor(self) -> float:
+        return self.rope.partial_rotary_factor
 
     @property
     def rotary_dim(self) -> int:  # HF: int(head_dim * partial_rotary_factor)
-        return int(self.head_dim * self.partial_rotary_factor)
+        return self.rope.dim
 
     @property
     def norm_eps(self) -> float:  # the family-neutral name the generic checks read
@@ -88,13 +104,11 @@ class Phi3Config:
 
 # ---- operators (the shared layers, at the config's settings) --------------------------------
 
-def rope_inv_freq(config: Phi3Config):  # -> f32[rotary_dim/2]
-    return layers.rope_inv_freq(config.rotary_dim, config.rope_theta)
+rope_inv_freq, rope_attention_factor = llama3.rope_inv_freq, llama3.rope_attention_factor
 
 
 def layer_inputs(config: Phi3Config, attention_mask, position_ids=None) -> LayerInputs:
-    return layers.layer_inputs(attention_mask, position_ids, inv_freq=rope_inv_freq(config),
-                               sliding_window=config.sliding_window)
+    return layers.layer_inputs(attention_mask, position_ids, rope=config.rope, sliding_window=config.sliding_window)
 
 
 def split_qkv(config: Phi3Config, fused):  # f32[B,T,(N+2K)*hd] -> q [B,T,N,hd], k, v [B,T,K,hd]

@@ -12,17 +12,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from torch_sources.models import layers
-from torch_sources.models.layers import (LayerInputs, RMSNorm, apply_rope, causal_mask, eager_attention, rms_norm,
-                                         rope_cos_sin)
+from torch_sources.models import llama3
+from torch_sources.models.config_keys import ALL_FULL, DROPOUT, ROPE_KEYS, KeyAudit
+from torch_sources.models.layers import RMSNorm, apply_rope, causal_mask, eager_attention, rms_norm, rope_cos_sin
 from torch_sources.models.llama3 import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from torch_sources.models.loading import load_config, load_pretrained
+from torch_sources.models.rope import Rope, read_rope
 
 __all__ = [
-    "Qwen3Config",
-    "rms_norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention", "layer_inputs",
+    "CONFIG_KEYS", "Qwen3Config",
+    "rms_norm", "rope_inv_freq", "rope_attention_factor", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention", "layer_inputs",
     "Qwen3RMSNorm", "Qwen3MLP", "Qwen3Attention", "Qwen3DecoderLayer", "Qwen3ForCausalLM",
 ]
+
+
+CONFIG_KEYS = KeyAudit(
+    "qwen3",
+    honored=frozenset({"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
+                       "tie_word_embeddings", "attention_bias"}) | ROPE_KEYS,
+    ignored={"attention_dropout": DROPOUT,
+             "sliding_window": "read only under use_sliding_window, which is refused",
+             "max_window_layers": "read only under use_sliding_window, which is refused"},
+    refused={"hidden_act": (("silu",), "SwiGLU is Qwen3's MLP"),
+             "use_sliding_window": ((False, None), "Qwen3 sliding-window layers (no release turns them on)"),
+             "layer_types": ((None, ALL_FULL), "a sliding layer needs use_sliding_window, refused")})
 
 
 @dataclass(frozen=True)
@@ -35,40 +49,37 @@ class Qwen3Config:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
+    rope: Rope
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    use_sliding_window: bool = False
-    sliding_window: int | None = None  # the release's value is dropped while use_sliding_window is false
-    max_window_layers: int | None = None
     hidden_act: str = "silu"
-    bos_token_id: int | None = None
-    eos_token_id: int | tuple[int, ...] | None = None
 
     def __post_init__(self):
-        assert self.hidden_act == "silu", self.hidden_act
         assert self.num_attention_heads % self.num_key_value_heads == 0
-        assert not self.use_sliding_window, "Qwen3 sliding-window layers are not supported (no release uses them)"
 
     @classmethod
     def from_hf(cls, d: dict) -> "Qwen3Config":
-        """Either config.json form: the release's (`rope_theta`, `rope_scaling: null`) or transformers>=5's
-        (`rope_parameters`)."""
+        """Either config.json form (the release's `rope_theta` [+ `rope_scaling`], transformers 5's
+        `rope_parameters`); every key accounted for (CONFIG_KEYS), the RoPE read by models/rope.py."""
+        CONFIG_KEYS.check(d)
         d = dict(d)
-        assert d.pop("rope_scaling", None) is None, "Qwen3 rope scaling (YaRN) is not supported"
-        if not d.get("use_sliding_window", False):
-            d["sliding_window"] = None  # as transformers reads it: no window while use_sliding_window is off
-        rope = d.pop("rope_parameters", None) or {}
-        assert rope.get("rope_type", "default") == "default", f"unsupported rope {rope}"
-        d.setdefault("rope_theta", rope.get("rope_theta"))
-        if isinstance(d.get("eos_token_id"), list):
-            d["eos_token_id"] = tuple(d["eos_token_id"])
+        if d.get("head_dim") is None:  # the release omits it
+            d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+        d["rope"] = read_rope(d, d["head_dim"], what="qwen3 config")
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
     @classmethod
     def from_pretrained(cls, path) -> "Qwen3Config":
         return cls.from_hf(load_config(path))
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope.theta
+
+    @property
+    def sliding_window(self) -> None:  # read by the Llama mask: no window (use_sliding_window is refused)
+        return None
 
     @property
     def norm_eps(self) -> float:  # the family-neutral name the generic checks read
@@ -79,14 +90,9 @@ class Qwen3Config:
         return False
 
 
-# ---- operators (the shared layers, at the config's settings) --------------------------------
+# ---- operators (the Llama ones) -------------------------------------------------------------
 
-def rope_inv_freq(config: Qwen3Config):  # -> f32[hd/2]
-    return layers.rope_inv_freq(config.head_dim, config.rope_theta)
-
-
-def layer_inputs(config: Qwen3Config, attention_mask, position_ids=None) -> LayerInputs:
-    return layers.layer_inputs(attention_mask, position_ids, inv_freq=rope_inv_freq(config))
+rope_inv_freq, rope_attention_factor, layer_inputs = llama3.rope_inv_freq, llama3.rope_attention_factor, llama3.layer_inputs
 
 
 # ---- modules --------------------------------------------------------------------------------

@@ -15,16 +15,28 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from torch_sources.models import layers
+from torch_sources.models import layers, rope
+from torch_sources.models.config_keys import DROPOUT, ROPE_KEYS, ConfigError, KeyAudit
 from torch_sources.models.layers import (LayerInputs, LayerNorm, PlainMLP, apply_rope, attend, causal_mask,
                                          eager_attention, layer_norm, rope_cos_sin)
 from torch_sources.models.loading import load_config, load_pretrained
+from torch_sources.models.rope import Rope, read_rope
 
 __all__ = [
-    "Starcoder2Config",
-    "layer_norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention", "layer_inputs",
+    "CONFIG_KEYS", "Starcoder2Config",
+    "layer_norm", "rope_inv_freq", "rope_attention_factor", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention", "layer_inputs",
     "Starcoder2MLP", "Starcoder2Attention", "Starcoder2DecoderLayer", "Starcoder2Model", "Starcoder2ForCausalLM",
 ]
+
+
+CONFIG_KEYS = KeyAudit(
+    "starcoder2",
+    honored=frozenset({"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "norm_epsilon", "max_position_embeddings", "sliding_window",
+                       "use_bias", "tie_word_embeddings", "hidden_act"}) | ROPE_KEYS,
+    ignored={"attention_dropout": DROPOUT, "embedding_dropout": DROPOUT, "residual_dropout": DROPOUT},
+    refused={"mlp_type": (("default", None), "transformers' StarCoder2 has one MLP, c_fc -> act -> c_proj (it does not "
+                                             "read the key; the releases write \"default\")")})
 
 
 @dataclass(frozen=True)
@@ -35,32 +47,28 @@ class Starcoder2Config:
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
+    head_dim: int
     norm_epsilon: float
-    rope_theta: float
+    rope: Rope
     max_position_embeddings: int
     sliding_window: int | None = None
     use_bias: bool = True
     tie_word_embeddings: bool = True  # transformers' default; starcoder2-3b's config.json leaves it out
     hidden_act: str = "gelu_pytorch_tanh"
-    bos_token_id: int | None = None
-    eos_token_id: int | tuple[int, ...] | None = None
 
     def __post_init__(self):
-        assert self.hidden_act in layers.ACTIVATIONS, self.hidden_act
+        if self.hidden_act not in layers.ACTIVATIONS:
+            raise ConfigError(f"starcoder2 config: hidden_act={self.hidden_act!r} (known: {sorted(layers.ACTIVATIONS)})")
         assert self.num_attention_heads % self.num_key_value_heads == 0
 
     @classmethod
     def from_hf(cls, d: dict) -> "Starcoder2Config":
+        """Either config.json form; every key accounted for (CONFIG_KEYS), the RoPE read by models/rope.py."""
+        CONFIG_KEYS.check(d)
         d = dict(d)
-        if "rope_parameters" in d and "rope_theta" not in d:  # transformers>=5 writes this form
-            rope = dict(d["rope_parameters"])
-            if rope.get("rope_type", "default") != "default":
-                raise ValueError(f"unsupported rope_parameters {rope} (only the default RoPE)")
-            d["rope_theta"] = rope["rope_theta"]
-        if d.get("rope_scaling") is not None:
-            raise ValueError(f"unsupported rope_scaling {d['rope_scaling']} (only the default RoPE)")
-        if isinstance(d.get("eos_token_id"), list):
-            d["eos_token_id"] = tuple(d["eos_token_id"])
+        if d.get("head_dim") is None:  # the releases carry none; transformers: getattr(config, "head_dim")
+            d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+        d["rope"] = read_rope(d, d["head_dim"], what="starcoder2 config")
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
     @classmethod
@@ -68,8 +76,8 @@ class Starcoder2Config:
         return cls.from_hf(load_config(path))
 
     @property
-    def head_dim(self) -> int:  # StarCoder2 configs carry no head_dim key
-        return self.hidden_size // self.num_attention_heads
+    def rope_theta(self) -> float:
+        return self.rope.theta
 
     @property
     def norm_eps(self) -> float:  # the family-neutral name the generic checks read
@@ -78,13 +86,16 @@ class Starcoder2Config:
 
 # ---- operators (the shared layers, at the config's settings) --------------------------------
 
-def rope_inv_freq(config: Starcoder2Config):  # -> f32[hd/2]
-    return layers.rope_inv_freq(config.head_dim, config.rope_theta)
+def rope_inv_freq(config: Starcoder2Config) -> torch.Tensor:  # -> f32[hd/2]: the table at init (models/rope.py)
+    return rope.inv_freq(config.rope)
+
+
+def rope_attention_factor(config: Starcoder2Config) -> float:
+    return rope.attention_factor(config.rope)
 
 
 def layer_inputs(config: Starcoder2Config, attention_mask, position_ids=None) -> LayerInputs:
-    return layers.layer_inputs(attention_mask, position_ids, inv_freq=rope_inv_freq(config),
-                               sliding_window=config.sliding_window)
+    return layers.layer_inputs(attention_mask, position_ids, rope=config.rope, sliding_window=config.sliding_window)
 
 
 # ---- modules --------------------------------------------------------------------------------

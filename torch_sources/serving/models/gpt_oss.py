@@ -5,11 +5,11 @@ factor; the MoE MLP runs unchanged on the ragged tokens. Every layer caches (num
 so layer_kv_shapes' uniform allocation fits."""
 from __future__ import annotations
 
-from torch_sources.models.gpt_oss import GptOssForCausalLM, rope_attention_factor, rope_inv_freq
+from torch_sources.models.gpt_oss import GptOssForCausalLM
 from torch_sources.serving.models.paged_decoder import paged_functions
 
 __all__ = ["load_model", "forward_paged", "decoder_layer_paged", "compute_logits"]
 
-_PAGED = paged_functions(GptOssForCausalLM, rope_inv_freq, rope_attention_factor)
+_PAGED = paged_functions(GptOssForCausalLM)
 load_model, forward_paged = _PAGED.load_model, _PAGED.forward_paged
 decoder_layer_paged, compute_logits = _PAGED.decoder_layer_paged, _PAGED.compute_logits

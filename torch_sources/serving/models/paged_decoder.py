@@ -7,7 +7,8 @@ own modules, never branched on by name:
 - the attention's `project_qkv` hook gives q, k, v before RoPE (Qwen2's biases, Qwen3's per-head q/k norms);
 - an attention may carry `sliding_window` (None on a full layer), `sinks` (GPT-OSS: one logit per query
   head in the softmax normaliser) and `scaling` (else 1/sqrt(head_dim));
-- `rope_attention_factor(config)`, if the family has one (YaRN), scales cos and sin.
+- the config's `rope` (models/rope.py) gives the table and the attention factor (YaRN's) of cos and sin;
+  a rope whose table moves with the sequence length (longrope, dynamic) is refused.
 So a family's serving file is one call of `paged_functions`.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
+from torch_sources.models import rope
 from torch_sources.models.layers import apply_rope, rope_cos_sin
 from torch_sources.serving.paged_attention import AttentionMetadata, PagedKVCache, ragged_paged_attention, \
     write_to_kv_cache
@@ -23,19 +25,19 @@ from torch_sources.serving.paged_attention import AttentionMetadata, PagedKVCach
 __all__ = ["paged_functions"]
 
 
-def paged_functions(causal_lm, rope_inv_freq, rope_attention_factor=None) -> SimpleNamespace:
+def paged_functions(causal_lm) -> SimpleNamespace:
     """The four functions the model runner calls (load_model, forward_paged, decoder_layer_paged,
-    compute_logits) for a pre-norm causal LM class and its family's `rope_inv_freq(config)` (and
-    `rope_attention_factor(config)` where RoPE is YaRN-scaled)."""
+    compute_logits) for a pre-norm causal LM class whose config carries its `rope`."""
 
     def load_model(model_dir):
         model = causal_lm.from_pretrained(model_dir)
+        rope.static_inv_freq(model.config.rope, f"serving {model_dir}")  # refuse before any request
         return model.config, model
 
     def _rope(model, positions):  # i32[T] -> (cos, sin) f32[1,T,hd]
-        c = model.config
-        factor = rope_attention_factor(c) if rope_attention_factor else 1.0
-        return rope_cos_sin(rope_inv_freq(c), torch.as_tensor(positions)[None], factor)
+        r = model.config.rope
+        return rope_cos_sin(rope.static_inv_freq(r, "the paged engine"), torch.as_tensor(positions)[None],
+                            rope.attention_factor(r))
 
     def _layer(model, i, hidden, cos, sin, kv_cache: PagedKVCache, meta: AttentionMetadata):
         # hidden f32[1,T,D] -> f32[1,T,D]; writes this step's K/V of layer i into the cache.

@@ -3,11 +3,11 @@ on the modules of torch_sources/models/qwen2.py (biased q/k/v, unbiased o_proj, 
 releases)."""
 from __future__ import annotations
 
-from torch_sources.models.qwen2 import Qwen2ForCausalLM, rope_inv_freq
+from torch_sources.models.qwen2 import Qwen2ForCausalLM
 from torch_sources.serving.models.paged_decoder import paged_functions
 
 __all__ = ["load_model", "forward_paged", "decoder_layer_paged", "compute_logits"]
 
-_PAGED = paged_functions(Qwen2ForCausalLM, rope_inv_freq)
+_PAGED = paged_functions(Qwen2ForCausalLM)
 load_model, forward_paged = _PAGED.load_model, _PAGED.forward_paged
 decoder_layer_paged, compute_logits = _PAGED.decoder_layer_paged, _PAGED.compute_logits

@@ -2,11 +2,11 @@
 modules of torch_sources/models/qwen3.py (per-head q_norm / k_norm before RoPE, an explicit head_dim)."""
 from __future__ import annotations
 
-from torch_sources.models.qwen3 import Qwen3ForCausalLM, rope_inv_freq
+from torch_sources.models.qwen3 import Qwen3ForCausalLM
 from torch_sources.serving.models.paged_decoder import paged_functions
 
 __all__ = ["load_model", "forward_paged", "decoder_layer_paged", "compute_logits"]
 
-_PAGED = paged_functions(Qwen3ForCausalLM, rope_inv_freq)
+_PAGED = paged_functions(Qwen3ForCausalLM)
 load_model, forward_paged = _PAGED.load_model, _PAGED.forward_paged
 decoder_layer_paged, compute_logits = _PAGED.decoder_layer_paged, _PAGED.compute_logits
