@@ -36,8 +36,7 @@ CONFIG_KEYS = KeyAudit(
                        "num_hidden_layers", "num_attention_heads", "n_embed"}),
     ignored={"attention_dropout": DROPOUT, "hidden_dropout": DROPOUT,
              **{k: _NOT_READ for k in ("attention_softmax_in_fp32", "bias_dropout_fusion", "masked_softmax_fusion",
-                                     "offset_alibi", "skip_bias_add", "skip_bias_add_qkv", "n_inner", "unk_token_id",
-                                     "seq_length")}},
+                                     "offset_alibi", "skip_bias_add", "skip_bias_add_qkv", "n_inner", "unk_token_id")}},
     refused={"tie_word_embeddings": ((True, None), "every BLOOM release ties the head to the embedding; an untied "
                                                   "head is not implemented")})
 

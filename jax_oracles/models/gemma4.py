@@ -26,7 +26,6 @@ from dataclasses import asdict, dataclass, fields
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_oracles.models import rope
 

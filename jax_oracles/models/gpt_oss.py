@@ -30,7 +30,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jax_oracles.models import layers, rope
+from jax_oracles.models import rope
 from jax_oracles.models.config_keys import DROPOUT, ROPE_KEYS, ConfigError, KeyAudit
 from jax_oracles.models.layers import (LayerInputs, RMSNorm, apply_rope, causal_mask, default_positions,
                                        eager_attention, rms_norm, rope_cos_sin)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torch_sources.models import layers, rope
+from torch_sources.models import rope
 from torch_sources.models.config_keys import DROPOUT, ROPE_KEYS, ConfigError, KeyAudit
 from torch_sources.models.layers import (LayerInputs, RMSNorm, apply_rope, causal_mask, default_positions,
                                          eager_attention, rms_norm, rope_cos_sin)
