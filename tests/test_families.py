@@ -16,7 +16,7 @@ from recorder.provenance import model_files, task_source_files
 from torch_sources.models import auto as tauto
 
 ROOT = Path(__file__).resolve().parents[1]
-FEATURES = {"norm:rms", "norm:layer", "pos:rope", "pos:alibi", "rope:llama3", "rope:partial", "mlp:gated",
+FEATURES = {"norm:rms", "norm:layer", "pos:rope", "pos:alibi", "rope:llama3", "rope:partial", "rope:longrope", "mlp:gated",
             "mlp:plain", "mlp:fused_gate_up", "qkv:fused", "attn:qkv_bias", "attn:qk_norm", "attn:sliding_window",
             "residual:parallel", "embed:layernorm"}
 TEXT_FAMILIES = ("llama3", "bloom", "falcon", "mistral", "qwen2", "qwen3", "phi4", "starcoder2")

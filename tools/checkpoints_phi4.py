@@ -3,9 +3,11 @@
 `make_phi4(out_dir)` writes config.json, generation_config.json and model.safetensors with microsoft/phi-4's
 config keys (the legacy `rope_theta` / `rope_scaling: null` form, as the release stores it) and tensor
 names: fused `self_attn.qkv_proj` [(N + 2K) * hd, D] (rows [Q | K | V]) and `mlp.gate_up_proj` [2I, D]
-(rows [gate | up]), no biases, an untied `lm_head`. One addition to the release's keys:
-`partial_rotary_factor` 0.75 (Phi-4-mini's), so the partial-rotary path is exercised (rotary dim 12 of
-head_dim 16); the RoPE stays the default one (no longrope scaling).
+(rows [gate | up]), no biases, an untied `lm_head`. The RoPE is Phi-4-mini's (microsoft/Phi-4-mini-instruct):
+`partial_rotary_factor` 0.75 (rotary dim 12 of head_dim 16) and `longrope` scaling in the legacy
+`rope_scaling` form (`type`, six short and six long factors), with original_max_position_embeddings 32
+of max_position_embeddings 256, so training rows longer than 32 tokens take the long factors and the
+attention factor sqrt(1 + ln 8 / ln 32), shorter ones the short factors.
 
 Weights come from one `np.random.default_rng(PHI4_SEED)` drawn in module order, so
 `python tools/make_checkpoints.py phi4` reproduces the files byte for byte.
@@ -47,12 +49,14 @@ PHI4_CONFIG = {
     "num_attention_heads": 4,
     "num_hidden_layers": 2,
     "num_key_value_heads": 2,
-    "original_max_position_embeddings": 256,
+    "original_max_position_embeddings": 32,  # Phi-4-mini: 4096 of 131072; here 32 of 256 (cutoff_len is 64)
     "pad_token_id": 404,  # <|dummy_85|>
-    "partial_rotary_factor": 0.75,  # not in Phi-4's file (it rotates all of head_dim): Phi-4-mini's value
+    "partial_rotary_factor": 0.75,  # Phi-4-mini's (Phi-4 itself rotates all of head_dim)
     "resid_pdrop": 0.0,
     "rms_norm_eps": 1e-05,
-    "rope_scaling": None,
+    # Phi-4-mini's form; the factors grow with the wavelength, as its released ones do (1.0 .. ~50 there).
+    "rope_scaling": {"long_factor": [1.0, 1.25, 1.9, 3.6, 7.5, 14.0], "short_factor": [1.0, 1.02, 1.05, 1.1, 1.2, 1.35],
+                     "type": "longrope"},
     "rope_theta": 250000.0,
     "sliding_window": None,
     "tie_word_embeddings": False,
