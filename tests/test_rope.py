@@ -102,3 +102,20 @@ def test_both_config_forms_read_alike():
         both = {**saved, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
         assert m.read_rope(both, 16).rope_type == "linear"
         assert m.read_rope({"max_position_embeddings": 256}, 16, default_theta=150000.0).theta == 150000.0
+
+
+def test_longrope_switch_keeps_torch_table_on_a_wider_static_shape():
+    """transformers picks longrope's table from the padded batch's largest position. A twin that pads wider
+    for jit (the DPO and PPO twins' static shapes) passes torch's positions (layers.padded_positions): the
+    real tokens keep their own, the extra pads hold torch's last one, and the table is torch's."""
+    from jax_oracles.models.layers import padded_positions
+    block = {**CASES[7][0], "original_max_position_embeddings": 32}
+    r, j = _ours(trope, block, 128, 1e4), _ours(jrope, block, 128, 1e4)
+    for real in (30, 32, 33):
+        torch_len = -(-real // 8) * 8  # the torch collators: the longest row, rounded up to a multiple of 8
+        want = trope.cos_sin(r, torch.arange(torch_len)[None])[0][0, :real].numpy()
+        mask = (np.arange(64)[None] < real).astype(np.int32)  # the twin's one static length, 64
+        got = np.asarray(jrope.cos_sin(j, padded_positions(mask, torch_len))[0])[0, :real]
+        np.testing.assert_allclose(got, want, atol=3e-6, rtol=0, err_msg=f"{real} real tokens")
+        wrong = np.asarray(jrope.cos_sin(j, np.arange(64, dtype=np.int32)[None])[0])[0, :real]
+        assert real > 32 or np.abs(wrong - want).max() > 1e-3  # without them a short batch would take the long table

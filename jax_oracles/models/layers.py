@@ -25,7 +25,7 @@ __all__ = [
     "LayerInputs", "ACTIVATIONS",
     "rms_norm", "layer_norm", "rope_cos_sin", "apply_rope",
     "alibi_slopes", "alibi_bias",
-    "causal_mask", "eager_attention", "attend", "default_positions", "layer_inputs",
+    "causal_mask", "eager_attention", "attend", "default_positions", "padded_positions", "layer_inputs",
     "RMSNorm", "LayerNorm", "GatedMLP", "PlainMLP",
 ]
 
@@ -236,6 +236,14 @@ def attend(q, k, v, inputs: LayerInputs, scale: float):
 def default_positions(input_ids):  # right padding: 0..T-1 per row
     B, T = input_ids.shape
     return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+
+
+def padded_positions(attention_mask, width):  # i32[B,L], traced scalar -> i32[B,L]
+    """0..L-1, every position past width - 1 held at width - 1: a right-padded batch that a static shape made
+    wider than torch's (width columns) keeps torch's largest position, which transformers' longrope reads to
+    pick its table. The real tokens (all before width) keep their own positions; the pads' do not matter."""
+    B, L = attention_mask.shape
+    return jnp.broadcast_to(jnp.minimum(jnp.arange(L), width - 1)[None], (B, L))
 
 
 def layer_inputs(attention_mask, position_ids=None, *, rope=None, alibi_heads: int | None = None,

@@ -253,8 +253,10 @@ def rope_cos_sin(freq, position_ids, factor: float = 1.0):
 
 def cos_sin(r: Rope, position_ids):
     """The (cos, sin) of one forward: the table its positions select, times the attention factor. Traced:
-    longrope picks its long table iff the largest position + 1 exceeds original_max_position_embeddings;
-    dynamic is refused at trace time for a forward longer than max_position_embeddings."""
+    longrope picks its long table iff the largest position + 1 exceeds original_max_position_embeddings, as
+    transformers does, padding positions included (so a caller that pads wider than torch for a static shape
+    passes torch's positions: layers.padded_positions); dynamic is refused at trace time for a forward longer
+    than max_position_embeddings."""
     if r.rope_type == "longrope":
         longest = jnp.max(position_ids) + 1 if position_ids.size else 0
         freq = jnp.where(longest > r.original_max_position_embeddings, jnp.asarray(inv_freq(r, r.original_max_position_embeddings + 1)),

@@ -2,8 +2,8 @@
 torch_sources/training/ppo.py (read its docstring for the loop; the numpy draws are the same here).
 
 Static shapes throughout. A step batch is bs prompts left-padded to one width P (the longest prompt of
-the run); rollouts are generated for all bs rows at once (rows are independent, so this equals TRL's
-per-mini-batch generation), in a lax.scan over max_new_tokens that recomputes the forward on a fixed
+the run); rollouts are generated in TRL's mini-batches (a lax.map over them: the rows are independent
+but for longrope, whose table follows each forward's largest position), each a lax.scan over max_new_tokens that recomputes the forward on a fixed
 [bs, P + max_new_tokens] buffer (a tiny model: no KV cache needed for a jitted, loop-free decode).
 Queries and responses then live as right-padded model inputs [bs, W] plus per-row lengths, with LF's
 trimming rule computed on device. One jitted, donated PPO step holds TRL's whole `step`: old and
@@ -27,6 +27,7 @@ import numpy as np
 import optax
 from safetensors.numpy import load_file
 
+from ..models.layers import padded_positions
 from .collator import PromptDataCollator
 from .lora import init_lora_tree, lora_state_dict, lora_tree_from_state_dict
 from .optimizer import LR_MULTIPLIERS, _decay_mask, clip_grad_norm, get_warmup_steps
@@ -259,6 +260,23 @@ def _generate(module, args, eos_token_ids, pad_token_id, params, lora, input_ids
     return tokens.T
 
 
+def _generate_by_mini_batch(module, args, eos_token_ids, pad_token_id, params, lora, input_ids, attention_mask, noise):
+    """TRL generates mini_batch_size rows at a time. The rows are independent for every RoPE but longrope,
+    whose table follows the largest position of each forward: so the rows are generated in torch's groups
+    (one lax.map over equal groups; a smaller last group, as torch's, in its own call)."""
+    B, mb = input_ids.shape[0], args.mini_batch_size
+    gen = functools.partial(_generate, module, args, eos_token_ids, pad_token_id, params, lora)
+    if mb >= B:
+        return gen(input_ids, attention_mask, noise)
+    full = B - B % mb
+    groups = (input_ids[:full], attention_mask[:full], noise[:full])
+    tokens = jax.lax.map(lambda g: gen(*g), tuple(x.reshape(full // mb, mb, *x.shape[1:]) for x in groups))
+    tokens = tokens.reshape(full, -1)
+    if full < B:
+        tokens = jnp.concatenate([tokens, gen(input_ids[full:], attention_mask[full:], noise[full:])])
+    return tokens
+
+
 @functools.lru_cache(maxsize=None)
 def _generate_fn(module, args, eos_token_ids, pad_token_id):
     return jax.jit(functools.partial(_generate, module, args, eos_token_ids, pad_token_id))
@@ -352,7 +370,7 @@ def batched_forward_pass(policy: CausalLMWithValueHead, lora, v_head, model_inpu
     """(logprobs f32[B,W-1], logits f32[B,W-1,V] or None, values f32[B,W-1], masks f32[B,W-1]) of right-padded
     inputs; lora None = the reference (adapter disabled)."""
     ids, mask = model_inputs["input_ids"], model_inputs["attention_mask"]
-    logits, values = policy.apply(lora, v_head, ids, mask)
+    logits, values = policy.apply(lora, v_head, ids, mask, model_inputs.get("position_ids"))
     logprobs = logprobs_from_logits(logits[:, :-1], ids[:, 1:])
     return (logprobs, logits[:, :-1] if return_logits else None, values[:, :-1],
             _response_masks(mask, query_len, response_len))
@@ -465,7 +483,10 @@ def _next_kl_coef(args: PPOArgs, kl_coef, mean_kl):
 
 def _step_batch(policy, args, lora, v_head, batch, kl_coef):
     """The no-grad half of the step on a rollout batch {input_ids, attention_mask, query_len, response_len,
-    scores} -> every per-token tensor TRL keeps."""
+    scores} -> every per-token tensor TRL keeps. Every forward of the step (here and in the mini-batches)
+    sees torch's positions: its rows are right-padded to the longest of the whole batch."""
+    batch = {**batch, "position_ids": padded_positions(batch["attention_mask"],
+                                                       jnp.max(batch["query_len"] + batch["response_len"]))}
     logprobs, _, values, masks = batched_forward_pass(policy, lora, v_head, batch, batch["query_len"],
                                                       batch["response_len"])
     ref_logprobs, _, _, _ = batched_forward_pass(policy, None, v_head, batch, batch["query_len"],
@@ -583,7 +604,8 @@ def ppo_step_loss_and_grads(policy, trainable, batch: dict, args: PPOArgs, kl_co
 def _rollout(module, reward_module, args, eos_token_ids, pad_token_id, params, lora, reward_params,
              reward_v_head, prompt_ids, prompt_mask, noise):
     reward = CausalLMWithValueHead(reward_module, reward_params)
-    responses = _generate(module, args, eos_token_ids, pad_token_id, params, lora, prompt_ids, prompt_mask, noise)
+    responses = _generate_by_mini_batch(module, args, eos_token_ids, pad_token_id, params, lora, prompt_ids,
+                                        prompt_mask, noise)
     start, query_len, response_len = _rollout_lengths(prompt_ids, responses, pad_token_id, eos_token_ids[0])
     inputs = _model_inputs(prompt_ids, start, query_len, responses, response_len, pad_token_id)
     cut = jnp.where(jnp.arange(responses.shape[1])[None] < response_len[:, None], responses, -1)
