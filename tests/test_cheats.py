@@ -670,14 +670,25 @@ def _leftovers() -> tuple[set[str], set[str]]:
     import glob
     import os
     import tempfile
-    scratch = {p for p in glob.glob(os.path.join(tempfile.gettempdir(), "t2j-*")) if "pytest" not in p}
+    scratch = set(glob.glob(os.path.join(tempfile.gettempdir(), "t2j-*")))
     groups = set(glob.glob(f"/sys/fs/cgroup/**/t2j-{os.getpid()}-*", recursive=True))
     return scratch, groups
 
 
+@pytest.fixture
+def private_scratch(tmp_path, monkeypatch):
+    """The grader's scratch directories under this test's own directory, so that another grading on the
+    machine (a sweep, a second job) cannot pass for a leftover of this one."""
+    import tempfile
+    d = tmp_path / "scratch"
+    d.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    return d
+
+
 @pytest.mark.parametrize("attack", [a if a == "disk" else pytest.param(a, marks=pytest.mark.slow)
                                     for a in sorted(ATTACKS)])
-def test_a_child_that_takes_the_machine_scores_zero_with_the_reason(tmp_path, attack):
+def test_a_child_that_takes_the_machine_scores_zero_with_the_reason(tmp_path, attack, private_scratch):
     from dataclasses import replace
     from grader.app import child_caps
     code, reason = ATTACKS[attack]
@@ -712,7 +723,7 @@ def _alive_with(mark: str) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_grandchild_that_ignores_sigterm_and_leaves_its_session_dies_with_the_child(tmp_path):
+def test_a_grandchild_that_ignores_sigterm_and_leaves_its_session_dies_with_the_child(tmp_path, private_scratch):
     """The L5 child starts a grandchild that ignores SIGTERM, calls setsid and spins, then runs past its
     budget: the grader kills the whole tree (bwrap's PID namespace and the cgroup), nothing survives."""
     from grader.budget import BudgetPolicy
