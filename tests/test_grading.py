@@ -73,7 +73,7 @@ def _scores(report):
 
 def test_a_wrong_rope_theta_lowers_rope_and_everything_above_it(tmp_path):
     cand = _copy_oracles(tmp_path / "cand")
-    _edit(cand, "jax_oracles/models/layers.py", "f32(theta) **", "f32(theta * 0.5) **")
+    _edit(cand, "jax_oracles/models/rope.py", "np.float64(_f32(theta)) **", "np.float64(_f32(theta * 0.5)) **")
     clean = _scores(_grade("llama3-sft", ROOT, tmp_path, levels=("L1", "L3")))
     bugged = _grade("llama3-sft", cand, tmp_path, levels=("L1", "L3"))
     s = _scores(bugged)

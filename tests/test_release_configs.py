@@ -221,7 +221,7 @@ def _greedy_hf(hf, prompts, n=10):
 def test_engines_greedy_match_transformers(case, side, root):
     d = build(case, root)
     engine_mod = importlib.import_module("torch_sources.serving.engine" if side == "torch" else "serving_engine.engine")
-    config_mod = importlib.import_module("torch_sources.serving.config" if side == "torch" else "serving_engine.config")
+    config_mod = engine_mod  # its own EngineConfig and SamplingParams (another test may have re-imported config)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(4, 512, size=n).tolist() for n in (17, 9, 30)]
     want = _greedy_hf(_hf(d), prompts)
@@ -269,6 +269,6 @@ def test_paged_engines_refuse_a_table_that_moves_with_the_length(side, root):
     case = next(c for c in CASES if c[0] == "llama-dynamic")
     d = build(case, root)
     engine_mod = importlib.import_module("torch_sources.serving.engine" if side == "torch" else "serving_engine.engine")
-    config_mod = importlib.import_module("torch_sources.serving.config" if side == "torch" else "serving_engine.config")
+    config_mod = engine_mod
     with pytest.raises(ValueError, match="dynamic.*changes its table"):
         engine_mod.LLMEngine(d, config_mod.EngineConfig(block_size=4, num_blocks=16, max_model_len=32))

@@ -83,8 +83,11 @@ SMALL_OVERRIDES: dict[str, dict] = {
     "qwen2": {**_LLAMA_LIKE, "num_key_value_heads": 2, "max_window_layers": 12, "sliding_window": 2048},
     # head_dim 128 != hidden / heads (96), as the 0.6B's 128 != 1024 / 16
     "qwen3": {**_LLAMA_LIKE, "num_attention_heads": 8, "head_dim": 128, "max_window_layers": 12},
-    # rotary dim 48 of head_dim 64 (partial_rotary_factor 0.75 kept)
-    "phi4": {**_LLAMA_LIKE, "original_max_position_embeddings": 2048},
+    # rotary dim 48 of head_dim 64 (partial_rotary_factor 0.75 kept): longrope's factors, one per rotary pair,
+    # spread over the tiny checkpoint's ranges; at the original length 2048 = max, only the short ones apply
+    "phi4": {**_LLAMA_LIKE, "original_max_position_embeddings": 2048,
+             "rope_scaling": {"type": "longrope", "short_factor": [1.0 + 0.35 * i / 23 for i in range(24)],
+                              "long_factor": [14.0 ** (i / 23) for i in range(24)]}},
     "starcoder2": {**_LLAMA_LIKE, "intermediate_size": 3072, "sliding_window": 256},
     # 12 heads: not a power of two, so the extra ALiBi slopes stay in use; MLP 4 x hidden (fixed by BLOOM)
     "bloom": {"hidden_size": 768, "n_head": 12, "n_layer": 12, "vocab_size": SMALL_VOCAB},

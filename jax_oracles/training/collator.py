@@ -9,9 +9,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SFTDataCollator", "PairwiseDataCollator", "PromptDataCollator", "pad_features"]
+from ..models.layers import padded_positions
+
+__all__ = ["SFTDataCollator", "PairwiseDataCollator", "PromptDataCollator", "pad_features", "collated_positions"]
+
+
+def collated_positions(attention_mask, multiple: int = 8):  # i32[B,L] (traced) -> i32[B,L]
+    """The positions the torch collator's batch has, on a wider static batch: torch pads the rows to the
+    longest, rounded up to `multiple` (LF's pad_to_multiple_of 8), and transformers' longrope picks its table
+    from that batch's largest position (layers.padded_positions)."""
+    width = -(-jnp.max(jnp.sum(attention_mask, axis=-1)) // multiple) * multiple
+    return padded_positions(attention_mask, width)
 
 
 def pad_features(features: list[dict], length: int, pad_token_id: int, label_pad_token_id: int) -> dict[str, np.ndarray]:

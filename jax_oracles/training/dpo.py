@@ -26,8 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..models.layers import padded_positions
-from .collator import PairwiseDataCollator
+from .collator import PairwiseDataCollator, collated_positions
 from .loss import IGNORE_INDEX
 from .lora import disable_adapter, init_lora_tree, lora_state_dict, lora_tree_from_state_dict
 from .processor import preprocess_pairwise_dataset
@@ -111,9 +110,7 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
 def concatenated_forward(module, variables: dict, batch: dict) -> dict:
     """One forward of the 2N collated rows (chosen first) -> chosen/rejected log-probs f32[N], logits
     f32[N,T,V], and the chosen log-probs per valid token."""
-    # torch's collator pads the rows to the longest, rounded up to a multiple of 8: its positions
-    width = -(-jnp.max(jnp.sum(batch["attention_mask"], axis=-1)) // 8) * 8
-    positions = padded_positions(batch["attention_mask"], width)
+    positions = collated_positions(batch["attention_mask"])  # torch's batch: its longrope table
     logits = module.apply(variables, batch["input_ids"], batch["attention_mask"], positions).astype(jnp.float32)
     logps, valid = get_batch_logps(logits, batch["labels"])
     n = logits.shape[0] // 2

@@ -26,7 +26,7 @@ import optax
 
 from jax_oracles.models import auto
 
-from .collator import SFTDataCollator
+from .collator import SFTDataCollator, collated_positions
 from .lora import LoraConfig, init_lora_tree, lora_state_dict, lora_tree_from_state_dict
 from .loss import IGNORE_INDEX, causal_lm_loss
 from .optimizer import LR_MULTIPLIERS, create_optimizer, decay_parameter_names
@@ -145,7 +145,8 @@ def _accumulate(module, params, lora, batches):
     num_items = _label_count(batches["labels"])
 
     def micro_loss(lora, batch):
-        logits = module.apply({"params": params, "lora": lora}, batch["input_ids"], batch["attention_mask"])
+        logits = module.apply({"params": params, "lora": lora}, batch["input_ids"], batch["attention_mask"],
+                              collated_positions(batch["attention_mask"]))  # torch's batch: its longrope table
         return causal_lm_loss(logits, batch["labels"], num_items)
 
     def body(carry, batch):
@@ -177,7 +178,8 @@ def _train_step_fn(module, tx):
 def _eval_fn(module):
     def batch_loss(params, lora, batch):  # -> the batch's token-mean CE (HF: its own num_items_in_batch)
         variables = {"params": params} if lora is None else {"params": params, "lora": lora}
-        logits = module.apply(variables, batch["input_ids"], batch["attention_mask"])
+        logits = module.apply(variables, batch["input_ids"], batch["attention_mask"],
+                              collated_positions(batch["attention_mask"]))
         return causal_lm_loss(logits, batch["labels"], _label_count(batch["labels"]))
 
     return jax.jit(batch_loss)
