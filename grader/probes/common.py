@@ -24,6 +24,7 @@ from grader import _guard
 from grader.exchange import write_outputs
 from grader.h5schema import read_arrays
 
+SPENT_S = 0.05  # CPU-s: a timed level's budget with less than this left is spent
 DEFAULT_CHECK_TIMEOUT_S = 120.0  # L0-L4, when meta has no "check_timeout_s"; L5/L6 get the time budget
 _REPEAT_S = 1.0  # the alarm re-fires until the probe lets go (a probe may swallow one exception)
 
@@ -143,7 +144,9 @@ def run_probes(inputs_path, outputs_path, make_ctx, probes, cpu_origin: float = 
         started = time.perf_counter()
         if compile_clock is not None:
             compile_clock.key = key
-        if timed(key) and left() <= 0:
+        # A sliver left is spent: SIGPROF and process_time count the same CPU at different grains, so after a
+        # check killed at the budget the clock may read a few ms under it.
+        if timed(key) and left() <= SPENT_S:
             value, error = None, f"timeout: the {level} budget of {budget:.1f} CPU-s was spent before this check"
         elif name not in probes:
             value, error = None, f"crash: the grader has no probe for {name!r}"
