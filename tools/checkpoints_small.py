@@ -86,7 +86,8 @@ SMALL_OVERRIDES: dict[str, dict] = {
     # rotary dim 48 of head_dim 64 (partial_rotary_factor 0.75 kept): longrope's factors, one per rotary pair,
     # spread over the tiny checkpoint's ranges; at the original length 2048 = max, only the short ones apply
     "phi4": {**_LLAMA_LIKE, "original_max_position_embeddings": 2048,
-             "rope_scaling": {"type": "longrope", "short_factor": [1.0 + 0.35 * i / 23 for i in range(24)],
+             # factor 1.0 = max / original, written out (transformers warns once when it has to infer it)
+             "rope_scaling": {"type": "longrope", "factor": 1.0, "short_factor": [1.0 + 0.35 * i / 23 for i in range(24)],
                               "long_factor": [14.0 ** (i / 23) for i in range(24)]}},
     "starcoder2": {**_LLAMA_LIKE, "intermediate_size": 3072, "sliding_window": 256},
     # 12 heads: not a power of two, so the extra ALiBi slopes stay in use; MLP 4 x hidden (fixed by BLOOM)
