@@ -1,7 +1,7 @@
 # Everything runs from the project's own .venv, bootstrapped on first use.
 PY     := .venv/bin/python
 STAMP  := .venv/.installed-stamp
-# The torch-free verifier environment every sandboxed candidate child runs with (grader/sandbox.py).
+# The torch-free verifier environment every sandboxed candidate child runs with (grader/isolation/sandbox.py).
 VENV_V := .venv-verifier
 VPY    := $(VENV_V)/bin/python
 VSTAMP := $(VENV_V)/.installed-stamp
@@ -48,22 +48,22 @@ grade-all: venv sandbox   ## every recorded task graded, one report in reports/a
 	$(PY) -m grader.grade_all $(if $(CANDIDATE),candidate=$(CANDIDATE),)
 	$(PY) -m grader.coverage
 
-calibrate: venv sandbox   ## the oracle's CPU seconds per task and timed level + the speed probe -> grader/budgets.yaml (L5/L6 budgets)
-	$(PY) -m grader.budget
+calibrate: venv sandbox   ## the oracle's CPU seconds per task and timed level + the speed probe -> grader/timing/budgets.yaml (L5/L6 budgets)
+	$(PY) -m grader.timing.calibrate
 
 # The oracle of a training and a serving task, and the catalog's too-slow defects, graded idle, beside two CPU-bound
-# processes, two gradings at once, and pinned to one core (grader/stability.py); last line stable=true|false
+# processes, two gradings at once, and pinned to one core (grader/timing/stability.py); last line stable=true|false
 stability: venv sandbox   ## verdicts that hold on a loaded or slower machine: reports/stability/stability.md
-	$(PY) -m grader.stability
+	$(PY) -m grader.timing.stability
 
 coverage-torch: venv   ## branch coverage of torch_sources/ while recording every task (references untouched)
 	for t in $$($(PY) -c "from recorder.app import known_tasks; print(' '.join(known_tasks()))"); do \
 	  $(PY) -m recorder task=$$t coverage=true out_dir=$$(mktemp -d) || exit 1; done
 	$(PY) -m grader.coverage
 
-# Each mutant is graded only at the level groups whose clean child executes its edit (grader/impact.py; the clean
+# Each mutant is graded only at the level groups whose clean child executes its edit (grader/sweep/impact.py; the clean
 # baseline is cached in reports/sweep/.cache), its L0-L4 in one child, children forked from a server that imported
-# jax once (grader/forkserver.py). The same as a Hydra multirun: python -m grader.sweep -m 'task=glob(*)' 'defect=glob(*)'
+# jax once (grader/isolation/forkserver.py). The same as a Hydra multirun: python -m grader.sweep -m 'task=glob(*)' 'defect=glob(*)'
 # hydra/launcher=local (or cluster), then python -m grader.sweep aggregate=true (docs/SWEEP.md, issue 14).
 sweep: venv sandbox   ## seeded-defect sweep of every recorded task (hours on 2 cores); last line defects_caught=N/M strict_caught=S/M checks_tripped=K/L
 	$(PY) -m grader.sweep --all --jobs $(JOBS)

@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from grader import gate, sandbox, sweep  # noqa: E402
-from recorder.app import compose_task  # noqa: E402
+from grader.isolation import gate, sandbox
+from grader.sweep import baseline, defects as defects_mod  # noqa: E402
+from catalog.tasks import compose_task  # noqa: E402
 
 log = []
 
@@ -38,14 +39,14 @@ def main(task: str, defect_ids: list[str]) -> None:
         t0 = time.perf_counter()
         subprocess.run([str(v.python), "-I", "-c", code], check=True)
         print(f"bare interpreter, {code!r}: {time.perf_counter() - t0:.2f} s", flush=True)
-    defects = {d.id: d for d in sweep.load_catalog().defects}
+    defects = {d.id: d for d in defects_mod.load_catalog().defects}
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as cache:
         tmp, cache = Path(tmp), Path(cache)
         for label, did in [("clean, cold cache", None), ("clean, warm cache", None)] + [(d, d) for d in defect_ids]:
             log.clear()
-            cand = sweep.make_mutant(defects[did], tmp / f"m-{did}") if did else sweep.ROOT
+            cand = defects_mod.make_mutant(defects[did], tmp / f"m-{did}") if did else defects_mod.ROOT
             t0 = time.perf_counter()
-            rep = sweep._grade(cfg, cand, tmp / f"r-{label}", None, cache)
+            rep = baseline._grade(cfg, cand, tmp / f"r-{label}", None, cache)
             total = time.perf_counter() - t0
             by_level: dict[str, float] = {}
             for c in rep["checks"]:

@@ -5,25 +5,25 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from catalog.h5schema import ReferenceError
+from catalog.scale import ensure_scale_checkpoints
+from catalog.tasks import known_tasks
+from grader.app import ROOT, grade
+from grader.isolation.sandbox import SandboxUnavailable
+from grader.timing.budget import BudgetPolicy
+
 CONFIGS = str(Path(__file__).resolve().parents[1] / "configs")
 
 
 @hydra.main(version_base=None, config_path=CONFIGS, config_name="grader")
 def main(cfg: DictConfig) -> None:
-    from grader.app import ROOT, grade
-    from grader.budget import BudgetPolicy
-    from grader.h5schema import ReferenceError
-    from grader.sandbox import SandboxUnavailable
-
     if "task_name" not in cfg:
-        from recorder.app import known_tasks
         print(f"no task given: pass task=NAME; valid tasks: {', '.join(known_tasks())}", file=sys.stderr)
         sys.exit(2)
     candidate = Path(cfg.candidate).resolve() if cfg.candidate else ROOT
     if not candidate.is_dir():
         print(f"candidate {candidate} is not a directory", file=sys.stderr)
         sys.exit(2)
-    from recorder.scale import ensure_scale_checkpoints
     ensure_scale_checkpoints(cfg)  # scale=small: its checkpoints, written on first use (configs/scale/)
     try:
         report = grade(cfg, candidate, ROOT / cfg.references, ROOT / cfg.report_dir,

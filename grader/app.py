@@ -7,30 +7,33 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from grader import contents, gate, heldout, sandbox
-from grader.budget import TIMED_LEVELS, BudgetPolicy, Calibration, level_budget, load_calibration
-from grader.checks import checks_for
+from catalog import heldout, scorers
+from catalog.checks import checks_for
+from catalog.h5schema import Reference, ReferenceError, read_reference, write_arrays
+from catalog.provenance import checkpoint_dir, checkpoint_mismatch, stale_reasons
+from catalog.tasks import task_class, task_features, task_method
+from catalog.trace import reference_pressure
 from grader.coverage import merge as merge_coverage
-from grader.exchange import UntrustedOutput, read_compile_seconds, read_coverage, read_outputs
-from grader.h5schema import Reference, ReferenceError, read_reference, write_arrays
-from grader.lattice import Check, earned_levels, strict_bar
-from grader.measures import error_figures
-from grader.measures import score as measure_score
-from grader.reward import reward as compute_reward
-from grader.trace import reference_pressure
+from grader.isolation import answers, contents, gate, sandbox
+from grader.isolation.exchange import UntrustedOutput, read_compile_seconds, read_coverage, read_outputs
+from grader.scoring.lattice import Check, earned_levels, strict_bar
+from grader.scoring.measures import error_figures, score as measure_score
+from grader.scoring.reward import reward as compute_reward
+from grader.timing.budget import BudgetPolicy, Calibration, TIMED_LEVELS, level_budget, load_calibration
+from grader.timing.speed import machine_speed
 
 ROOT = Path(__file__).resolve().parents[1]
 console = Console(width=150)
 # One sandboxed child per group of levels: a crash or a hang costs that group, never the grader.
 # L6 never shares a child with L5: training L6 runs the candidate's forward with the adapter its L5
-# child produced (grader/heldout.py), serving L6 inputs hold the greedy continuations L5 must produce.
+# child produced (catalog/heldout.py), serving L6 inputs hold the greedy continuations L5 must produce.
 LEVEL_GROUPS = {
     "training": (("L0",), ("L1",), ("L2",), ("L3",), ("L4",), ("L5",), ("L6",)),
     "serving": (("L0",), ("L1",), ("L2",), ("L3",), ("L4",), ("L5",), ("L6",)),
@@ -40,7 +43,6 @@ LEVEL_GROUPS = {
 def _asset_paths(cfg) -> dict[str, str]:
     """Inputs the candidate may read besides the inputs file: checkpoint (`checkpoint=PATH`, else the family's
     tiny one), tokenizer, raw data; relative to the repo, or absolute."""
-    from recorder.provenance import checkpoint_dir  # torch-free (config + hashes only)
     paths = {"checkpoint": str(checkpoint_dir(cfg))}
     if "tokenizer" in cfg.family:
         paths["tokenizer"] = cfg.family.tokenizer
@@ -52,9 +54,8 @@ def _asset_paths(cfg) -> dict[str, str]:
 
 
 def child_caps(cfg) -> "gate.clock.Limits":
-    """What each child may take (grader/gate.py DEFAULT_CAPS), its memory raised with the checkpoint it
+    """What each child may take (grader/isolation/gate.py DEFAULT_CAPS), its memory raised with the checkpoint it
     loads: 4 GiB + 6 x its bytes on disk (a bf16 release upcast to fp32, converted, and its activations)."""
-    from dataclasses import replace
     ckpt = ROOT / _asset_paths(cfg)["checkpoint"]
     size = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file()) if ckpt.is_dir() else 0
     return replace(gate.DEFAULT_CAPS, memory_bytes=max(gate.DEFAULT_CAPS.memory_bytes, 4 * 2**30 + 6 * size))
@@ -96,14 +97,14 @@ def _score_check(spec, rec, produced: dict | None, error: str | None, band, seco
 
 def _score_heldout(spec, rec, produced: dict | None, error: str | None, band, seconds: float) -> tuple[Check, dict]:
     """Training L6: the banded score of what the grader itself computes from the candidate's logits
-    (heldout.SCORERS: never a number the candidate reports), the mean over its metrics, each banded by the
+    (scorers.SCORERS: never a number the candidate reports), the mean over its metrics, each banded by the
     check's `band_<metric>` attribute (the loss falls back to /L6/band); -> (check, what the report shows)."""
     kw = dict(level=spec.level, name=spec.name, aspect=spec.aspect, measure=spec.measure, seconds=seconds,
               bar=strict_bar(spec.aspect, rec.attrs.get("noise")))
     if error is not None or produced is None:
         return Check(**kw, score=0.0, reason=error or "no output"), {}
     try:
-        values, shapes = heldout.SCORERS[spec.key](rec.inputs, produced)
+        values, shapes = scorers.SCORERS[spec.key](rec.inputs, produced)
     except heldout.HeldoutError as e:
         return Check(**kw, score=0.0, reason=str(e)), {}
     detail, scores = {"logits_shapes": [list(x) for x in shapes]}, []
@@ -116,37 +117,57 @@ def _score_heldout(spec, rec, produced: dict | None, error: str | None, band, se
     return Check(**kw, score=float(np.mean(scores))), detail
 
 
-def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: BudgetPolicy | None = None,
-          spec_timeout: float = 120.0, numeric_timeout: float = 300.0,
-          quiet: bool = False, levels: tuple[str, ...] | None = None, check_timeout_s: float | None = None,
-          only_checks: tuple[str, ...] | None = None, trusted: bool = False, compile_cache: Path | None = None,
-          coverage: bool = False, measure_compile: bool = False,
-          groups: tuple[tuple[str, ...], ...] | None = None, forkserver=None,
-          calibration: Calibration | None = None, caps=None) -> dict:
+@dataclass(frozen=True)
+class GradeOptions:
+    """How one grading runs (grade()'s docstring says what each does); the sweep, the calibration, the stability
+    runs and the CLI each build one."""
+    budget: BudgetPolicy | None = None
+    spec_timeout: float = 120.0
+    numeric_timeout: float = 300.0
+    quiet: bool = False
+    levels: tuple[str, ...] | None = None
+    check_timeout_s: float | None = None
+    only_checks: tuple[str, ...] | None = None
+    trusted: bool = False
+    compile_cache: Path | None = None
+    coverage: bool = False
+    measure_compile: bool = False
+    groups: tuple[tuple[str, ...], ...] | None = None
+    forkserver: object = None
+    calibration: Calibration | None = None
+    caps: object = None
+
+
+def grade(cfg, candidate: Path, references: Path, report_dir: Path, options: GradeOptions | None = None,
+          **overrides) -> dict:
     """Grade `candidate` on the task whose composed config is `cfg` (recorder or grader config).
 
     `levels` restricts the run to some levels (L0's torch_free gate always runs); the reward then
     covers only the checks that ran; `only_checks` (names such as "rms_norm") restricts it further.
     `check_timeout_s` caps each L0-L4 check inside the child (grader/probes/common.py; default
-    120 s there); each of L5 and L6 runs under one CPU-time budget (grader/budget.py, policy `budget`,
-    `calibration` or grader/budgets.yaml, scaled by this machine's speed probe), kept on the grader's own
-    clock (grader/clock.py): the child's process tree is killed past it.
+    120 s there); each of L5 and L6 runs under one CPU-time budget (grader/timing/budget.py, policy `budget`,
+    `calibration` or grader/timing/budgets.yaml, scaled by this machine's speed probe), kept on the grader's own
+    clock (grader/isolation/clock.py): the child's process tree is killed past it.
 
-    Every child runs sealed (grader/sandbox.py); where no sandbox can be made this raises
+    Every child runs sealed (grader/isolation/sandbox.py); where no sandbox can be made this raises
     SandboxUnavailable before anything runs, unless `trusted` (the oracles on such a machine: the
     Python-level fence alone). `compile_cache` is the sweep's shared JAX cache (trusted mutants only).
     `coverage`: every child runs under branch coverage of the candidate's packages; the report's "coverage"
     holds the executed lines and arcs over all children (grader/coverage.py reads it), its "coverage_by_group"
-    those of each level group's child ("L1": ...; the sweep's impact analysis, grader/impact.py). `measure_compile`
+    those of each level group's child ("L1": ...; the sweep's impact analysis, grader/sweep/impact.py). `measure_compile`
     (calibration of the repo's own oracle only): the report's "compile_seconds" per timed level.
     `groups` (the sweep's trusted mutants only) runs other groups of levels per child than LEVEL_GROUPS;
-    a timed level (L5, L6) always has a child of its own. `forkserver` (grader/forkserver.py; with trusted
+    a timed level (L5, L6) always has a child of its own. `forkserver` (grader/isolation/forkserver.py; with trusted
     only, the sweep's own mutants) forks each child from an interpreter that has imported jax already.
+    `overrides`: GradeOptions fields replacing those of `options` (an unknown one is a TypeError).
     """
+    o = replace(options or GradeOptions(), **overrides)
+    budget, spec_timeout, numeric_timeout, quiet, levels = o.budget, o.spec_timeout, o.numeric_timeout, o.quiet, o.levels
+    check_timeout_s, only_checks, trusted, compile_cache = o.check_timeout_s, o.only_checks, o.trusted, o.compile_cache
+    coverage, measure_compile, groups, forkserver = o.coverage, o.measure_compile, o.groups, o.forkserver
+    calibration, caps = o.calibration, o.caps
     if not trusted:
         sandbox.ensure_sandbox()  # refuse up front, never fall back silently
-    from recorder.app import task_class, task_features, task_method  # torch-free modules (config + hashes only)
-    from recorder.provenance import checkpoint_mismatch, stale_reasons
 
     task = cfg.task_name
     ref: Reference = read_reference(references / f"{task}.h5")
@@ -176,11 +197,11 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
     selected = [s for s in all_specs if s.key in ref.checks and (levels is None or s.level in levels)
                 and (only_checks is None or s.name in only_checks)]
     budgets = _timed_budgets(ref, task, policy, calibration, {s.level for s in selected} & set(TIMED_LEVELS))
-    caps = caps or child_caps(cfg)  # what each child may take from the machine (grader/gate.py DEFAULT_CAPS)
+    caps = caps or child_caps(cfg)  # what each child may take from the machine (grader/isolation/gate.py DEFAULT_CAPS)
     children: dict[str, dict] = {}  # per level group: what its child used on the grader's clock
     # training L6 runs on the adapter the candidate's L5 child produced: that check runs whenever L6 does
     # (scored only when selected), and its outputs become L6 inputs, read as untrusted as any output
-    wants_adapter = any(s.key in heldout.SCORERS for s in selected) and heldout.ADAPTER_KEY in ref.checks
+    wants_adapter = any(s.key in scorers.SCORERS for s in selected) and heldout.ADAPTER_KEY in ref.checks
     adapter, adapter_error = None, f"{heldout.ADAPTER_KEY} did not run"
     details = {}
     executed = {} if coverage else None
@@ -193,7 +214,7 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
                        and s.level in group and s not in specs]
         inputs = {s.key: ref.checks[s.key].inputs for s in run}
         early = {}  # check key -> reason it scores 0 without running
-        for key in sorted(heldout.SCORERS.keys() & inputs.keys()):
+        for key in sorted(scorers.SCORERS.keys() & inputs.keys()):
             try:
                 if adapter is None:
                     raise heldout.HeldoutError(f"no adapter from {heldout.ADAPTER_KEY}: {adapter_error}")
@@ -243,7 +264,7 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, budget: Budg
         for s in specs:
             args = (s, ref.checks[s.key], produced.get(s.key), errors.get(s.key), ref.band,
                     float(seconds.get(s.key, 0.0)))
-            if s.key in heldout.SCORERS:
+            if s.key in scorers.SCORERS:
                 check, details[s.key] = _score_heldout(*args)
             else:
                 series.update(_series(s.key, ref.checks[s.key].outputs, produced.get(s.key) or {}))
@@ -259,7 +280,6 @@ def _timed_budgets(ref, task, policy: BudgetPolicy, calibration, timed: set[str]
     """{level: (CPU-s here, how derived)} for the timed levels; the speed probe runs only when one will run."""
     cal = load_calibration() if calibration is None else calibration
     if timed and policy.scale:
-        from grader.speed import machine_speed
         speed = machine_speed(cal.probe_cpu_s)
     else:
         speed = (1.0, {"speed": 1.0, "note": "unscaled" if timed else "no timed level ran"})
@@ -268,9 +288,8 @@ def _timed_budgets(ref, task, policy: BudgetPolicy, calibration, timed: set[str]
 
 def _separate(run, ref, group) -> list[list]:
     """`run` split into children none of which gets a check's recorded answer among another's inputs
-    (grader/answers.py), scanned on the recorded inputs (a training L6 scorer's adapter is the candidate's)."""
-    from grader import answers
-    recorded = {s.key: heldout.child_inputs(ref.checks[s.key].inputs, {}) if s.key in heldout.SCORERS
+    (grader/isolation/answers.py), scanned on the recorded inputs (a training L6 scorer's adapter is the candidate's)."""
+    recorded = {s.key: heldout.child_inputs(ref.checks[s.key].inputs, {}) if s.key in scorers.SCORERS
                 else ref.checks[s.key].inputs for s in run}
     parts, found = answers.separate(run, recorded, {s.key: ref.checks[s.key].outputs for s in run}, "+".join(group))
     if len(parts) > 1 and set(group) & set(TIMED_LEVELS):  # one budget per timed level: one child

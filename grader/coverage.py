@@ -3,7 +3,7 @@
 Two sides, one format ({path relative to the repo: {"lines": [...], "arcs": [[a, b], ...]}}):
 - the oracle side: `grade(..., coverage=True)` (grade_all does it) asks every sandboxed child to run its
   probes under coverage.py's branch coverage of jax_oracles/, serving_engine/ and conversion/; the report of
-  each task keeps the union over its children (grader/probes/common.py, grader/exchange.py);
+  each task keeps the union over its children (grader/probes/common.py, grader/isolation/exchange.py);
 - the torch side: `python -m recorder task=T coverage=true` records under branch coverage of torch_sources/
   and writes reports/coverage/torch/<task>.json.
 
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import yaml
 
-from grader import pysource
+from catalog import pysource
+from catalog.tasks import compose_task, task_class
 
 ROOT = Path(__file__).resolve().parents[1]
 EXCLUSIONS = ROOT / "grader" / "coverage_exclusions.yaml"
@@ -173,7 +174,6 @@ def write_report(results: dict[str, dict[str, dict]], sources: dict[str, list[st
 
 def collect(reports_dir: Path = ROOT / "reports" / "all", torch_dir: Path = OUT / "torch") -> tuple[dict, dict]:
     """Executed lines per "<class> oracle|torch" from the grade reports and the recorder's coverage files."""
-    from recorder.app import compose_task, task_class
 
     executed: dict[str, dict] = {}
     sources: dict[str, list[str]] = {}
@@ -194,7 +194,6 @@ def collect(reports_dir: Path = ROOT / "reports" / "all", torch_dir: Path = OUT 
 
 
 def families_of(tasks) -> set[str]:
-    from recorder.app import compose_task
     return {compose_task(t).family.name for t in tasks}
 
 

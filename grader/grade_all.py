@@ -5,7 +5,7 @@
 candidate  a tree that mirrors the layout (jax_oracles/, serving_engine/, conversion/); default: this
            repo's own oracles
 out        where <task>.json and the summary (summary.md, summary.html, summary.json, PNGs; see
-           grader.report) go; default reports/all under the repo root
+           grader.scoring.report) go; default reports/all under the repo root
 tasks      comma-separated subset; default every task that has references/<task>.h5
 coverage   true (default): each child runs under branch coverage of the candidate's packages, kept in the
            task reports for `python -m grader.coverage`; false skips it
@@ -28,9 +28,9 @@ import time
 import traceback
 from pathlib import Path
 
+from catalog.tasks import compose_task
 from grader.app import ROOT, grade
-from grader.report import markdown_table, write_report
-from recorder.app import compose_task
+from grader.scoring.report import markdown_table, write_report
 
 __all__ = ["grade_tasks", "main", "recorded_tasks"]
 
@@ -59,7 +59,7 @@ def grade_tasks(tasks: list[str], candidate: Path, out_dir: Path,
         except Exception as exc:  # noqa: BLE001 -- one broken task must not cost the others
             report = _error_report(task, candidate, exc)
         report["wall_s"] = time.perf_counter() - started
-        out_dir.mkdir(parents=True, exist_ok=True)  # rewritten with wall_s, so grader.report can re-render it
+        out_dir.mkdir(parents=True, exist_ok=True)  # rewritten with wall_s, so grader.scoring.report can re-render it
         (out_dir / f"{task}.json").write_text(json.dumps(report, indent=2, default=float))
         outcome = (f"ERROR {report['error'].splitlines()[-1]}" if report.get("error")
                    else f"reward={report['reward']:.4f} earned=L{report['earned_levels']}")

@@ -12,48 +12,18 @@ from importlib import metadata
 from pathlib import Path
 
 import numpy as np
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 from rich.console import Console
 from rich.markup import escape
 
-from grader.h5schema import SCHEMA_VERSION, write_reference
-from recorder.provenance import (ROOT, checkpoint_dir, checkpoint_label, provenance, recorded_checkpoint,
-                                  stale_reasons)
-from recorder.scale import ensure_scale_checkpoints, scale_name
+from catalog.h5schema import SCHEMA_VERSION, write_reference
+from catalog.provenance import ROOT, checkpoint_dir, checkpoint_label, provenance, recorded_checkpoint, stale_reasons
+from catalog.scale import ensure_scale_checkpoints, scale_name
+from catalog.tasks import compose_task, known_tasks, task_class
+from recorder.device import check_device, device_description, record_on, setup_device
+from torch_sources.models.loading import tensor_index
 
 console = Console(stderr=True)
-CONFIG_DIR = ROOT / "configs"
-
-
-def known_tasks() -> list[str]:
-    return sorted(p.stem for p in (CONFIG_DIR / "task").glob("*.yaml"))
-
-
-def compose_task(task: str, overrides: list[str] | None = None) -> DictConfig:
-    """The resolved recorder config of one task, as `python -m recorder task=...` would compose it."""
-    if task not in known_tasks():
-        raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(known_tasks())}")
-    overrides = [f"task={task}", *(overrides or [])]
-    if GlobalHydra.instance().is_initialized():  # inside a Hydra app: its search path is ours already
-        return compose("recorder", overrides=overrides)
-    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
-        return compose("recorder", overrides=overrides)
-
-
-def task_class(cfg: DictConfig) -> str:
-    return cfg.method.task_class if "method" in cfg else cfg.mode.task_class
-
-
-def task_features(cfg: DictConfig) -> frozenset[str] | None:
-    """The family's features (family yaml `features`) that pick its feature checks."""
-    return frozenset(cfg.family.get("features", ()))
-
-
-def task_method(cfg: DictConfig) -> str | None:
-    """The training method (sft, dpo, ...) that picks the task's checks; None for serving."""
-    return cfg.method.name if "method" in cfg else None
 
 
 def _package_versions() -> dict[str, str]:
@@ -68,7 +38,6 @@ def _package_versions() -> dict[str, str]:
 
 def record(cfg: DictConfig) -> Path:
     """Run the task's torch source in fp32 on cfg.device and write references/<task>.h5; return its path."""
-    from recorder.device import check_device, device_description, record_on, setup_device
 
     check_device(cfg.device.name)  # an unknown device, or cuda without a GPU, before anything else
     name = cfg.task_name
@@ -86,7 +55,6 @@ def record(cfg: DictConfig) -> Path:
 
     dev = setup_device(cfg.device.name, seed=0)
     import torch
-    from torch_sources.models.loading import tensor_index
     stored = tensor_index(ckpt)  # a missing shard or a corrupt header fails here, before any probe runs
     rss_at_start = _reset_peak_rss()
     probes = importlib.import_module(f"recorder.probes.{task_class(cfg)}")

@@ -32,6 +32,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from torch_sources.models import loading
+
 DEVICES = ("cpu", "cuda")  # configs/device/<name>.yaml
 
 
@@ -119,8 +121,6 @@ class _HostBoundary(TorchFunctionMode):
 
 
 def _entry_points(dev: torch.device) -> dict:
-    from torch_sources.models import loading
-
     host_from_numpy, host_load_file = torch.from_numpy, loading.load_file
 
     def from_numpy(a):

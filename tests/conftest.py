@@ -21,7 +21,7 @@ def one_torch_thread():
 
 @functools.cache
 def sandbox_problem() -> str | None:
-    from grader.sandbox import SandboxUnavailable, ensure_sandbox
+    from grader.isolation.sandbox import SandboxUnavailable, ensure_sandbox
     try:
         ensure_sandbox()
     except SandboxUnavailable as e:

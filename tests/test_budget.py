@@ -1,4 +1,4 @@
-"""The L5/L6 time budget (grader/budget.py): derived, calibrated for every task, and binding."""
+"""The L5/L6 time budget (grader/timing/budget.py): derived, calibrated for every task, and binding."""
 from __future__ import annotations
 
 import io
@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from catalog.h5schema import CheckRecord, Reference, read_reference
+from catalog.tasks import compose_task, known_tasks
 from grader.app import grade
-from grader.budget import BudgetPolicy, Calibration, level_budget, load_calibration, torch_seconds
-from grader.exchange import UntrustedOutput, read_compile_seconds, write_outputs
-from grader.h5schema import CheckRecord, Reference, read_reference
-from recorder.app import compose_task, known_tasks
+from grader.isolation.exchange import UntrustedOutput, read_compile_seconds, write_outputs
+from grader.timing.budget import BudgetPolicy, Calibration, level_budget, load_calibration, torch_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +40,7 @@ def test_budget_is_speed_times_headroom_over_the_oracle_plus_torch_time():
 def test_the_speed_probe_scales_budgets_to_this_machine():
     """Measured here against a calibration figure half of what this machine takes: the budget doubles; the
     probe counts CPU seconds on the grader's clock, repeatably."""
-    from grader import speed
+    from grader.timing import speed
     figures = speed.measured(fresh=True)
     assert len(figures) == speed._RUNS and all(f > 0.5 for f in figures), figures
     assert max(figures) / min(figures) < 1.6, figures

@@ -24,12 +24,12 @@ import h5py
 import numpy as np
 import pytest
 
+from catalog.h5schema import read_reference, write_arrays
+from catalog.tasks import compose_task
 from grader.app import grade
-from grader.exchange import read_outputs
-from grader.gate import run_sandboxed, static_scan
-from grader.h5schema import read_reference, write_arrays
+from grader.isolation.exchange import read_outputs
+from grader.isolation.gate import run_sandboxed, static_scan
 from grader.probes.common import run_probes
-from recorder.app import compose_task
 
 pytestmark = pytest.mark.sandbox
 
@@ -627,7 +627,7 @@ RUN_STEPS_DEF = "def _run_steps(model: CausalLM, lora, tx, steps, pad_token_id: 
 @pytest.mark.parametrize("how, kind", [("burns CPU", "CPU-s"), pytest.param("sleeps", "wall clock",
                                                                            marks=pytest.mark.slow)])
 def test_a_candidate_that_stops_its_own_clock_and_runs_past_its_budget_scores_zero(tmp_path, how, kind):
-    from grader.budget import BudgetPolicy
+    from grader.timing.budget import BudgetPolicy
     cand = _candidate(tmp_path)
     tail = "while True:\n    pass\n" if how == "burns CPU" else \
         "__import__('select').select([], [], [], 1000)\n"
@@ -651,7 +651,7 @@ def test_a_candidate_that_stops_its_own_clock_and_runs_past_its_budget_scores_ze
 
 # ---------------------------------------------------------------- what a child may take from the machine
 # Each attack is planted where only the L1 data checks run it (the dataset loader), so the L1 child is the one
-# killed, with the reason, while L2's child grades normally; the caps are the grader's (grader/clock.py).
+# killed, with the reason, while L2's child grades normally; the caps are the grader's (grader/isolation/clock.py).
 
 LOADER_DEF = "def load_processed_dataset(tokenizer_dir, data_dir, split: str, args: TrainArgs) -> list[dict]:\n"
 ATTACKS = {
@@ -726,7 +726,7 @@ def _alive_with(mark: str) -> list[int]:
 def test_a_grandchild_that_ignores_sigterm_and_leaves_its_session_dies_with_the_child(tmp_path, private_scratch):
     """The L5 child starts a grandchild that ignores SIGTERM, calls setsid and spins, then runs past its
     budget: the grader kills the whole tree (bwrap's PID namespace and the cgroup), nothing survives."""
-    from grader.budget import BudgetPolicy
+    from grader.timing.budget import BudgetPolicy
     cand = _candidate(tmp_path)
     spawn = (f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', 'import os, signal\\n"
              f"signal.signal(signal.SIGTERM, signal.SIG_IGN)\\nos.setsid()\\nwhile True: pass', '{MARK}'])\n"
@@ -754,7 +754,7 @@ def _copy_rollouts(inputs_file: str, n: int):
 def test_answers_read_off_a_sibling_checks_inputs_are_not_there(tmp_path):
     """PPO's L3 rollout_generate must sample the responses L3 rollout_logprobs_values is recorded on: a candidate
     that copies them out of the inputs file would score full marks if both ran in one child (checked on the
-    reference itself), and scores 0 because the grader gives them separate children (grader/answers.py)."""
+    reference itself), and scores 0 because the grader gives them separate children (grader/isolation/answers.py)."""
     task = "llama3-ppo"
     rec = read_reference(ROOT / "references" / f"{task}.h5").checks
     one_file = tmp_path / "both.h5"

@@ -1,4 +1,4 @@
-"""The grader's clock (grader/clock.py): a child's whole process tree, counted and ended from outside.
+"""The grader's clock (grader/isolation/clock.py): a child's whole process tree, counted and ended from outside.
 
 Each test runs under both meters: the cgroup the grader makes where it can, and the /proc walk it falls
 back to (T2J_CLOCK=procfs)."""
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from grader import clock
+from grader.isolation import clock
 
 BURN = "import time\nend = time.process_time() + {s}\nwhile time.process_time() < end: pass\n"
 

@@ -1,4 +1,4 @@
-"""What a candidate may carry (grader/contents.py): sources and small configs, never a package or a reference."""
+"""What a candidate may carry (grader/isolation/contents.py): sources and small configs, never a package or a reference."""
 from __future__ import annotations
 
 import base64
@@ -11,9 +11,9 @@ import h5py
 import numpy as np
 import pytest
 
+from catalog.tasks import compose_task
 from grader.app import grade
-from grader.contents import MAX_LITERAL_BYTES, MAX_TREE_BYTES, binary_kind, inspect_tree
-from recorder.app import compose_task
+from grader.isolation.contents import MAX_LITERAL_BYTES, MAX_TREE_BYTES, binary_kind, inspect_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 

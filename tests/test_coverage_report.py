@@ -1,5 +1,5 @@
 """Coverage of the graded code: the child's coverage member is untrusted data, the analysis names what no
-check reaches, and exclusions need a reason and must exist (grader/coverage.py, grader/exchange.py)."""
+check reaches, and exclusions need a reason and must exist (grader/coverage.py, grader/isolation/exchange.py)."""
 import importlib
 import json
 import sys
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from grader import coverage as gcov
-from grader.exchange import UntrustedOutput, read_coverage, read_outputs, write_outputs
+from grader.isolation.exchange import UntrustedOutput, read_coverage, read_outputs, write_outputs
 from grader.probes.common import _start_coverage, _stop_coverage
 
 CONFIG = "serving_engine/config.py"
@@ -89,7 +89,7 @@ def test_exclusions_need_a_reason_and_a_real_block(tmp_path):
 
 def test_a_graded_run_under_coverage_reports_the_candidates_executed_lines(tmp_path):
     from grader.app import ROOT, grade
-    from recorder.app import compose_task
+    from catalog.tasks import compose_task
     report = grade(compose_task("llama3-sft"), ROOT, ROOT / "references", tmp_path, quiet=True, levels=("L1",),
                    only_checks=("rms_norm",), coverage=True)
     assert report["reward"] > 0 and all(c["reason"] is None for c in report["checks"]), report["checks"]

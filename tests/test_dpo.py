@@ -21,15 +21,10 @@ import numpy as np
 import pytest
 import torch
 
-from grader import heldout
-from grader.h5schema import read_reference
-from jax_oracles.training import collator as j_collator
-from jax_oracles.training import dpo as j_dpo
-from jax_oracles.training import processor as j_processor
-from torch_sources.training import collator as t_collator
-from torch_sources.training import dpo as t_dpo
-from torch_sources.training import lora as t_lora
-from torch_sources.training import processor as t_processor
+from catalog import heldout
+from catalog.h5schema import read_reference
+from jax_oracles.training import collator as j_collator, dpo as j_dpo, processor as j_processor
+from torch_sources.training import collator as t_collator, dpo as t_dpo, lora as t_lora, processor as t_processor
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -247,8 +242,8 @@ def test_heldout_preference_refuses_missing_or_extra_logits():
 def test_l6_cheat_that_favours_the_chosen_rows_scores_below_the_bar():
     """A candidate that knows chosen rows come first and returns policy logits boosting each chosen row's own
     next tokens (reference logits honest-looking zeros) gets accuracy 1 and a loss far under the band: it scores below the strict bar."""
-    from grader.lattice import strict_bar
-    from grader.measures import score as measure_score
+    from grader.scoring.lattice import strict_bar
+    from grader.scoring.measures import score as measure_score
 
     rec = read_reference(ROOT / "references" / "llama3-dpo.h5").checks[heldout.PREFERENCE_KEY]
     produced = {}

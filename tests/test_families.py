@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grader.checks import checks_for
+from catalog.checks import checks_for
+from catalog.provenance import model_files, task_source_files
+from catalog.tasks import compose_task, known_tasks
 from jax_oracles.models import auto as jauto
-from recorder.app import compose_task, known_tasks
-from recorder.provenance import model_files, task_source_files
 from torch_sources.models import auto as tauto
 
 ROOT = Path(__file__).resolve().parents[1]

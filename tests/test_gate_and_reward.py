@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from grader.gate import run_import_linter, run_sandboxed, static_scan
-from grader.lattice import Check, earned_levels, strict_bar, summarise
-from grader.reward import reward, reward_parts
+from grader.isolation.gate import run_import_linter, run_sandboxed, static_scan
+from grader.scoring.lattice import Check, earned_levels, strict_bar, summarise
+from grader.scoring.reward import reward, reward_parts
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from catalog.tasks import compose_task
 from grader.app import grade
-from recorder.app import compose_task
 
 pytestmark = pytest.mark.sandbox
 

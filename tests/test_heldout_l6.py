@@ -1,5 +1,5 @@
 """Training L6 is computed by the grader: the candidate's logits with its own L5 adapter, the loss in
-the grader's numpy (grader/heldout.py), never the eval_loss_after the candidate reports.
+the grader's numpy (catalog/heldout.py), never the eval_loss_after the candidate reports.
 
 - the numpy loss is the torch source's evaluate_loss on the same batches and adapter, and the
   recorded batches reproduce the recorded torch loss;
@@ -19,13 +19,12 @@ import numpy as np
 import pytest
 import torch
 
-from grader import heldout
+from catalog import heldout
+from catalog.checks import checks_for
+from catalog.h5schema import read_reference
+from catalog.tasks import compose_task
 from grader.app import LEVEL_GROUPS, _score_heldout, _task_meta, grade
-from grader.checks import checks_for
-from grader.h5schema import read_reference
-from recorder.app import compose_task
-from torch_sources.training import lora as t_lora
-from torch_sources.training import sft as t_sft
+from torch_sources.training import lora as t_lora, sft as t_sft
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "assets" / "checkpoints" / "llama3"

@@ -1,4 +1,4 @@
-"""No check's recorded answer travels to the candidate as another check's input (grader/answers.py).
+"""No check's recorded answer travels to the candidate as another check's input (grader/isolation/answers.py).
 
 Every reference, every child the grader would start for it (grader.app: one per level group, split where a
 check's inputs carry another's answer), scanned for an expected output of one check inside an input of
@@ -12,19 +12,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from grader import heldout
-from grader.answers import scan_child
+from catalog import heldout, scorers
+from catalog.checks import checks_for
+from catalog.h5schema import read_reference
+from catalog.tasks import compose_task, task_class, task_features, task_method
 from grader.app import LEVEL_GROUPS, _separate
-from grader.checks import checks_for
-from grader.h5schema import read_reference
-from recorder.app import compose_task, task_class, task_features, task_method
+from grader.isolation.answers import scan_child
 
 ROOT = Path(__file__).resolve().parents[1]
 REFS = sorted((ROOT / "references").glob("*.h5"))
 
 
 def _recorded(ref, key: str) -> dict[str, np.ndarray]:
-    return heldout.child_inputs(ref.checks[key].inputs, {}) if key in heldout.SCORERS else ref.checks[key].inputs
+    return heldout.child_inputs(ref.checks[key].inputs, {}) if key in scorers.SCORERS else ref.checks[key].inputs
 
 
 def children(task: str, ref, split: bool = True):

@@ -1,14 +1,12 @@
-"""Properties and literal values of the five measures (grader/measures.py, DESIGN section 6)."""
+"""Properties and literal values of the five measures (grader/scoring/measures.py, DESIGN section 6)."""
 import math
 
+from hypothesis import assume, given, settings, strategies as st
+from hypothesis.extra import numpy as hnp
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
-from grader.measures import (MEASURES, agreement_score, banded_scalar_score, distributional_score,
-                             scalar_score, score, tensor_score)
+from grader.scoring.measures import MEASURES, agreement_score, banded_scalar_score, distributional_score, scalar_score, score, tensor_score
 
 fast = settings(max_examples=50, deadline=None)  # per test: a global profile would leak to other files
 
@@ -236,7 +234,7 @@ def test_score_dispatch():
 
 
 def test_error_figures_read_like_a_numerics_report():
-    from grader.measures import DIGITS_CAP, error_figures
+    from grader.scoring.measures import DIGITS_CAP, error_figures
     ref = np.array([1.0, -2.0, 4.0], np.float32)
     assert error_figures([(ref.copy(), ref)]) == {"max_abs_diff": 0.0, "rel_l2": 0.0, "digits": DIGITS_CAP}
     f = error_figures([(ref * (1 + 1e-4), ref)])  # every element off by 1e-4 relative: 4 agreeing digits

@@ -8,13 +8,12 @@ import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
+from flax import traverse_util
 import numpy as np
 import pytest
-from flax import traverse_util
 
-from conversion import gemma4, llama3
-from conversion import safetensors_io as st_io
-from grader.layout import layout_arrays
+from catalog.layout import layout_arrays
+from conversion import gemma4, llama3, safetensors_io as st_io
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = {"llama3": ROOT / "assets/checkpoints/llama3", "gemma4": ROOT / "assets/checkpoints/gemma4"}

@@ -6,7 +6,7 @@ by hand here (float64 loops, never the code under test), and against each other.
   unbiased variance; TRL's loss on literal tensors (both clip ranges crossed) and its ratio_threshold;
 - the adaptive KL controller; LF's trimming rule; HF's top-k / top-p warpers on literal logits;
 - the PPO step on fixed rollouts: its first mini-batch's loss terms from the step's own inputs by formula;
-- the grader's numpy reward model (grader/ppo_eval.py) against the torch source's on the same rows;
+- the grader's numpy reward model (catalog/ppo_eval.py) against the torch source's on the same rows;
 - the shipped reference: PPO measurably raised the held-out reward (every seed's run above the init's).
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from grader import ppo_eval
-from grader.h5schema import read_reference
+from catalog import ppo_eval
+from catalog.h5schema import read_reference
 from jax_oracles.training import ppo as j_ppo
 from torch_sources.training import ppo as t_ppo
 
@@ -195,7 +195,7 @@ def test_heldout_reward_rejects_malformed_responses():
             good[f"b{i}.s{k}.logits"] = logits
             good[f"b{i}.s{k}.responses"] = ppo_eval.redraw(logits, ppo_eval.eval_noise(k, i, logits.shape), gen)
     assert np.isfinite(ppo_eval.heldout_reward(rec, good, rm)[0]["reward"])
-    from grader.heldout import HeldoutError
+    from catalog.heldout import HeldoutError
     # a child whose decoding was patched to return the tokens the reward model likes best (here: one repeated id)
     # rather than the draws of its logits
     patched = {**good, "b0.s0.responses": np.full((4, n), int(good["b0.s0.responses"][0, 0]) ^ 1, np.int64)}
@@ -234,7 +234,7 @@ def test_a_candidate_that_patches_the_grader_decoder_scores_zero_at_l6(tmp_path)
     import shutil
 
     from grader.app import grade
-    from recorder.app import compose_task
+    from catalog.tasks import compose_task
 
     cand = tmp_path / "cand"
     for tree in ("jax_oracles", "serving_engine", "conversion"):
@@ -244,7 +244,7 @@ def test_a_candidate_that_patches_the_grader_decoder_scores_zero_at_l6(tmp_path)
 
 def _patch_grader_decoder():
     try:
-        import grader.ppo_eval as pe
+        import catalog.ppo_eval as pe
     except ImportError:
         return
     honest = pe.decode

@@ -31,8 +31,8 @@ def tools():
 
 def test_llama32_1b_shaped_release_records_and_grades(tmp_path):
     from grader.app import grade
-    from grader.h5schema import read_reference
-    from recorder.app import compose_task
+    from catalog.h5schema import read_reference
+    from catalog.tasks import compose_task
 
     started = time.perf_counter()
     ckpt = tools().make_release("llama-3.2-1b", tmp_path / "llama-3.2-1b", num_hidden_layers=LAYERS,

@@ -21,8 +21,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from recorder.app import compose_task, known_tasks
-from recorder.device import DEVICES, ENTRY_POINTS, DeviceAudit, host_staging, on_device, placed_on, record_on
+from catalog.tasks import compose_task, known_tasks
+from recorder.device import DeviceAudit, DEVICES, ENTRY_POINTS, host_staging, on_device, placed_on, record_on
 from recorder.probes import serving, training
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -236,7 +236,7 @@ def test_each_entry_point_is_needed(cfgs, skip):
 
 def _fake_task(host_in_pass: int = 0, drift_in_pass: int = 0):
     """A task of one check; the pass numbered host_in_pass computes on the host, drift_in_pass drifts."""
-    from grader.h5schema import CheckRecord
+    from catalog.h5schema import CheckRecord
     passes = []
 
     def run():

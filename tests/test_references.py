@@ -5,10 +5,10 @@ import h5py
 import numpy as np
 import pytest
 
-from grader.checks import checks_for
-from grader.h5schema import (ROOT_ATTRS, CheckRecord, ReferenceError, read_reference, write_reference)
-from recorder.app import compose_task, known_tasks, task_class, task_features, task_method
-from recorder.provenance import stale_reasons
+from catalog.checks import checks_for
+from catalog.h5schema import CheckRecord, ReferenceError, ROOT_ATTRS, read_reference, write_reference
+from catalog.provenance import stale_reasons
+from catalog.tasks import compose_task, known_tasks, task_class, task_features, task_method
 
 ROOT = Path(__file__).resolve().parents[1]
 REFS = sorted((ROOT / "references").glob("*.h5"))
@@ -101,7 +101,7 @@ def test_off_schema_files_are_rejected(tmp_path):
 
 
 def test_a_changed_source_makes_a_reference_stale(tmp_path, monkeypatch):
-    import recorder.provenance as prov
+    import catalog.provenance as prov
     path = REFS[0]
     cfg = compose_task(path.stem)
     real = prov.sha256_file

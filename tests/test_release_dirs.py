@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from grader.h5schema import ReferenceError, read_reference
-from recorder import provenance
-from recorder.app import compose_task, list_stale, record
+from catalog import provenance
+from catalog.h5schema import ReferenceError, read_reference
+from catalog.tasks import compose_task
+from recorder.app import list_stale, record
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "assets/checkpoints/llama3"

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from grader import grade_all
-from grader.report import mean_reward, score_class, write_report
+from grader.scoring.report import mean_reward, score_class, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from grader import gate, sandbox
+from catalog.tasks import compose_task
 from grader.app import grade
-from grader.exchange import UntrustedOutput, read_outputs, write_outputs
-from grader.sandbox import SandboxUnavailable
-from recorder.app import compose_task
+from grader.isolation import gate, sandbox
+from grader.isolation.exchange import UntrustedOutput, read_outputs, write_outputs
+from grader.isolation.sandbox import SandboxUnavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -284,7 +284,7 @@ def test_anything_unexpected_from_a_child_is_refused_with_the_reason(tmp_path):
 
 
 def test_sizes_are_bounded_before_anything_is_allocated(tmp_path, monkeypatch):
-    from grader import exchange
+    from grader.isolation import exchange
     _good(tmp_path / "o.npz")
     monkeypatch.setattr(exchange, "MAX_BYTES", 64)
     with pytest.raises(UntrustedOutput, match="over the 64 limit"):

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from recorder import scale as scale_mod
-from recorder.app import compose_task
+from catalog import scale as scale_mod
+from catalog.tasks import compose_task
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -159,7 +159,7 @@ def test_scale_small_composes_to_the_small_checkpoint_and_512_tokens(monkeypatch
 
 
 def test_scale_tiny_is_the_default_and_changes_nothing():
-    from recorder.provenance import hashed_config
+    from catalog.provenance import hashed_config
     for task in ("llama3-ppo", "llama3-core"):
         default, tiny = compose_task(task), compose_task(task, ["scale=tiny"])
         assert default == tiny and "scale" not in default and default.checkpoint is None

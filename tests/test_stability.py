@@ -1,4 +1,4 @@
-"""Verdict stability (grader/stability.py): the oracle at its ceiling and the too-slow defects failing on time,
+"""Verdict stability (grader/timing/stability.py): the oracle at its ceiling and the too-slow defects failing on time,
 idle, beside CPU-bound processes, two gradings at once, and on one core."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from grader import stability
+from grader.timing import stability
 
 
 def _report(scores, reasons=None, levels=("L1", "L5")) -> dict:

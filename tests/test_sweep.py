@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from grader import sweep
-from grader.sweep import LEVELS, Defect, apply_defect, load_catalog, make_mutant
+from grader.sweep import baseline, cli, defects as defects_mod, mutant, reports, task as sweep_one
+from grader.sweep.defects import Defect, LEVELS, apply_defect, load_catalog, make_mutant
 
 ROOT = Path(__file__).resolve().parents[1]
 CATALOG = load_catalog()
@@ -16,7 +16,7 @@ DEFECTS = {d.id: d for d in CATALOG.defects}
 def test_catalog_has_enough_defects_with_unique_ids():
     assert len(CATALOG.defects) >= 40
     assert len(DEFECTS) == len(CATALOG.defects)  # load_catalog also refuses duplicates
-    for cls in sweep.CLASSES:
+    for cls in defects_mod.CLASSES:
         assert sum(d.task_class == cls for d in CATALOG.defects) >= 15, cls
 
 
@@ -30,16 +30,16 @@ def test_every_edit_occurs_exactly_once_and_still_compiles(did):
     compile(text.replace(d.old, d.new), d.file, "exec")
 
 
-@pytest.mark.parametrize("cls", sweep.CLASSES)
+@pytest.mark.parametrize("cls", defects_mod.CLASSES)
 def test_every_lattice_level_of_both_classes_is_covered(cls):
     covered = {lv for d in CATALOG.defects if d.task_class == cls for lv in d.levels}
     assert covered == set(LEVELS), sorted(set(LEVELS) - covered)
 
 
 def test_every_defect_applies_to_some_task():
-    from recorder.app import compose_task, known_tasks
+    from catalog.tasks import compose_task, known_tasks
     cfgs = [compose_task(t) for t in known_tasks()]
-    dead = [d.id for d in CATALOG.defects if not any(sweep.applicable([d], cfg) for cfg in cfgs)]
+    dead = [d.id for d in CATALOG.defects if not any(defects_mod.applicable([d], cfg) for cfg in cfgs)]
     assert not dead, dead
 
 
@@ -56,8 +56,8 @@ def test_applicability_follows_class_family_and_mode():
 
 
 def test_method_defects_apply_to_their_method_only():
-    from recorder.app import compose_task
-    sft, dpo = (sweep.applicable(CATALOG.defects, compose_task(t)) for t in ("llama3-sft", "llama3-dpo"))
+    from catalog.tasks import compose_task
+    sft, dpo = (defects_mod.applicable(CATALOG.defects, compose_task(t)) for t in ("llama3-sft", "llama3-dpo"))
     assert not any(d.id.startswith("dpo-") for d in sft)
     assert {d.id for d in dpo if d.id.startswith("dpo-")} == {d.id for d in CATALOG.defects if d.id.startswith("dpo-")}
     assert "train-ga-mean-per-micro-batch" not in {d.id for d in dpo}  # sft.py's accumulation: SFT's code path
@@ -91,7 +91,7 @@ def test_reports_list_untripped_checks_with_their_rationale(tmp_path):
                    "L1/mlp": {"clean_score": 1.0, "clean_reason": None, "noise": 1e-6, "tripped_by": []}},
         "totals": {"defects_caught": 1, "defects": 1, "strict_caught": 1, "checks_tripped": 1, "checks": 2},
     }
-    js, md = sweep.write_reports(result, tmp_path, {"L1/mlp": "kept because the MLP is half the FLOPs"})
+    js, md = reports.write_reports(result, tmp_path, {"L1/mlp": "kept because the MLP is half the FLOPs"})
     text = md.read_text()
     assert "| `d1` |" in text
     assert "**1/1 defects caught, 1/1 strictly (each costs a level), 1/2 checks tripped**" in text
@@ -100,9 +100,9 @@ def test_reports_list_untripped_checks_with_their_rationale(tmp_path):
 
 
 def test_cli_takes_hydra_style_and_dashed_options():
-    a = sweep._parse(["task=llama3-sft", "defects=a,b", "limit=2", "levels=L1,L4"])
+    a = cli._parse(["task=llama3-sft", "defects=a,b", "limit=2", "levels=L1,L4"])
     assert (a.task, a.defects, a.limit, a.levels) == ("llama3-sft", "a,b", 2, "L1,L4")
-    assert sweep._parse(["--all"]).all == "true" and sweep._parse(["all=true"]).all == "true"
+    assert cli._parse(["--all"]).all == "true" and cli._parse(["all=true"]).all == "true"
 
 
 @pytest.mark.slow
@@ -111,7 +111,7 @@ def test_a_real_sweep_of_two_defects_catches_both_with_the_expected_checks(tmp_p
     # Three levels keep it to three short grades (clean + two mutants), about a minute on two cores.
     levels = ("L1", "L3", "L4")
     picked = [DEFECTS["train-rope-theta-default"], DEFECTS["train-labels-not-shifted"]]
-    result = sweep.sweep_task("llama3-sft", picked, tmp_path, progress=lambda msg: None, levels=levels)
+    result = sweep_one.sweep_task("llama3-sft", picked, tmp_path, progress=lambda msg: None, levels=levels)
     by_id = {r["id"]: r for r in result["defects"]}
     assert result["totals"]["defects_caught"] == 2
 
@@ -137,7 +137,7 @@ def test_a_real_sweep_of_two_defects_catches_both_with_the_expected_checks(tmp_p
 def test_block_pool_defects_are_caught_by_the_pressure_trace(tmp_path, did, only_trace):
     # Freeing head first keeps every token: only the per-step trace under a preempting, evicting pool sees it.
     # Without a null block, padded block-table entries alias a live request's KV: the tokens change as well.
-    result = sweep.sweep_task("llama3-chunked", [DEFECTS[did]], tmp_path, progress=lambda msg: None, levels=("L5",))
+    result = sweep_one.sweep_task("llama3-chunked", [DEFECTS[did]], tmp_path, progress=lambda msg: None, levels=("L5",))
     (rec,) = result["defects"]
     assert rec["caught"] and "L5/schedule_trace" in rec["tripped"], rec
     assert (rec["tripped"] == ["L5/schedule_trace"]) == only_trace, rec["tripped"]
@@ -153,7 +153,7 @@ def test_block_pool_defects_are_caught_by_the_pressure_trace(tmp_path, did, only
 def test_order_and_eos_defects_are_caught_at_l1(tmp_path, task, did, check):
     # Both were blind spots once: the per-transform sampler checks compose the stages in the probe's
     # order, and an Instruct tokenizer (eos already <|eot_id|>) made replace_eos a no-op.
-    result = sweep.sweep_task(task, [DEFECTS[did]], tmp_path, progress=lambda msg: None, levels=("L1",))
+    result = sweep_one.sweep_task(task, [DEFECTS[did]], tmp_path, progress=lambda msg: None, levels=("L1",))
     (rec,) = result["defects"]
     assert rec["caught"] and check in rec["tripped"], rec
     assert rec["scores"][check] < 0.99
@@ -161,7 +161,7 @@ def test_order_and_eos_defects_are_caught_at_l1(tmp_path, task, did, check):
 
 # ---- impact analysis and the multirun (issue 14) -------------------------------------------------
 
-from grader import impact as impact_mod  # noqa: E402
+from grader.sweep import impact as impact_mod  # noqa: E402
 
 
 def _fake_base(coverage: dict, groups=("L0", "L1", "L2"), ok=None) -> dict:
@@ -187,17 +187,17 @@ def _graded_at(monkeypatch, defect, base, workdir):
                   if c["level"] in levels or c["name"] == "torch_free"]
         return {"checks": checks, "reward": 0.0, "earned_levels": 0, "gated": None}
 
-    monkeypatch.setattr(sweep, "_grade", fake_grade)
-    graded = sweep.grade_mutant(defect, None, base, workdir, impact="line")
+    monkeypatch.setattr(mutant, "_grade", fake_grade)
+    graded = mutant.grade_mutant(defect, None, base, workdir, impact="line")
     noise = {f'{c["level"]}/{c["name"]}': 1e-6 for c in base["clean"]}
-    return asked[0], sweep.defect_record(defect, graded, base, noise, lambda k: k)
+    return asked[0], mutant.defect_record(defect, graded, base, noise, lambda k: k)
 
 
 def test_impact_skips_a_file_no_group_executes_with_a_reason(monkeypatch, tmp_path):
     d = DEFECTS["train-labels-not-shifted"]
     cov = {"L0": {"conversion/llama3.py": {"lines": [1, 2]}}, "L1": {}, "L2": {"jax_oracles/models/llama3.py":
                                                                                 {"lines": [1]}}}
-    imp = sweep.impact_of(d, _fake_base(cov))
+    imp = baseline.impact_of(d, _fake_base(cov))
     assert not any(imp.graded.values())
     assert all(f"never imports {d.file}" in why for why in imp.why.values())
     levels, rec = _graded_at(monkeypatch, d, _fake_base(cov), tmp_path)
@@ -211,7 +211,7 @@ def test_a_mutant_is_graded_only_where_its_edit_runs_and_reuses_clean_scores_els
     (span,) = impact_mod.edited_spans(old, old.replace(d.old, d.new)).spans
     cov = {"L0": {}, "L1": {d.file: {"lines": [1, 2, 3]}},  # imports the file, never runs the edited lines
            "L2": {d.file: {"lines": [1, span[0]]}}}
-    imp = sweep.impact_of(d, _fake_base(cov))
+    imp = baseline.impact_of(d, _fake_base(cov))
     assert imp.graded == {"L0": False, "L1": False, "L2": True}
     assert "never executes lines" in imp.why["L1"] and "executes the edited lines" in imp.why["L2"]
     levels, rec = _graded_at(monkeypatch, d, _fake_base(cov), tmp_path)
@@ -221,9 +221,9 @@ def test_a_mutant_is_graded_only_where_its_edit_runs_and_reuses_clean_scores_els
     # a group without trustworthy coverage is graded; so is a group that consumes a graded one's outputs
     base = _fake_base(cov, ok={"L0": False, "L1": True, "L2": True})
     base["depends"] = {"L1": ["L2"]}
-    imp = sweep.impact_of(d, base)
+    imp = baseline.impact_of(d, base)
     assert imp.graded == {"L0": True, "L1": True, "L2": True}
-    assert sweep.impact_of(d, _fake_base(cov), impact="file").graded == {"L0": False, "L1": True, "L2": True}
+    assert baseline.impact_of(d, _fake_base(cov), impact="file").graded == {"L0": False, "L1": True, "L2": True}
 
 
 def test_line_level_impact_falls_back_to_the_file_where_it_cannot_be_shown_sound():
@@ -270,19 +270,19 @@ def test_no_candidate_code_runs_where_the_coverage_tracer_cannot_see_it():
 
 def test_the_multirun_entry_parses_and_registers_every_defect(tmp_path):
     from hydra.core.config_store import ConfigStore
-    assert sweep._hydra_mode(["-m", "task=llama3-sft", "defect=glob(*)"]) and sweep._hydra_mode(["aggregate=true"])
-    assert not sweep._hydra_mode(["task=llama3-sft", "defects=a,b"]) and not sweep._hydra_mode(["--all"])
-    assert not sweep._hydra_mode(["task=llama3-sft", "impact=file", "merge=false"])  # the --task path's options
-    sweep._register_defects()
+    assert cli._hydra_mode(["-m", "task=llama3-sft", "defect=glob(*)"]) and cli._hydra_mode(["aggregate=true"])
+    assert not cli._hydra_mode(["task=llama3-sft", "defects=a,b"]) and not cli._hydra_mode(["--all"])
+    assert not cli._hydra_mode(["task=llama3-sft", "impact=file", "merge=false"])  # the --task path's options
+    cli._register_defects()
     options = {n[:-len(".yaml")] for n in ConfigStore.instance().list("defect")}
     assert options == set(DEFECTS)
     # a pair whose defect does not apply is recorded as such, without grading anything
-    rec = sweep.run_job("llama3-sft", "serve-free-head-first", tmp_path, tmp_path / "cache")
+    rec = cli.run_job("llama3-sft", "serve-free-head-first", tmp_path, tmp_path / "cache")
     assert rec is None
     path = tmp_path / "cache" / "llama3-sft" / "not-applicable" / "serve-free-head-first.json"
     assert json.loads(path.read_text()) == {"id": "serve-free-head-first", "applicable": False}
     with pytest.raises(SystemExit, match="no baseline"):
-        sweep.aggregate(["llama3-sft"], tmp_path, tmp_path / "cache")
+        cli.aggregate(["llama3-sft"], tmp_path, tmp_path / "cache")
 
 
 @pytest.mark.sandbox
@@ -290,7 +290,7 @@ def test_an_executed_edit_is_graded_and_caught_and_an_unexecuted_one_reuses_the_
     # L1 only: three clean L1 gradings (two for the noise, one under coverage), then each mutant's L1 child
     # only where L1 runs its edit. The template's eos edit runs at L1 (collate); the loss shift never does.
     picked = [DEFECTS["train-template-eos-not-replaced"], DEFECTS["train-labels-not-shifted"]]
-    result = sweep.sweep_task("llama3-sft", picked, tmp_path, progress=lambda msg: None, levels=("L1",))
+    result = sweep_one.sweep_task("llama3-sft", picked, tmp_path, progress=lambda msg: None, levels=("L1",))
     eos, labels = result["defects"]
     assert eos["graded_groups"] == ["L1"] and eos["caught"] and "L1/collate" in eos["tripped"], eos
     assert labels["graded_groups"] == [] and not labels["caught"] and labels["reused_checks"] > 0, labels
@@ -312,8 +312,8 @@ def _toy_candidate(tmp_path, name, source):
 
 
 def test_the_fork_server_runs_trusted_children_behind_the_guard_with_timeouts(tmp_path):
-    from grader import gate
-    from grader.forkserver import ForkServer
+    from grader.isolation import gate
+    from grader.isolation.forkserver import ForkServer
     ok = """
     import json, os, sys
     def main(inp, out):
@@ -346,8 +346,8 @@ def test_the_fork_server_runs_trusted_children_behind_the_guard_with_timeouts(tm
 def test_a_clean_baseline_below_its_ceiling_is_refused_regraded_and_never_cached(monkeypatch, tmp_path):
     """A clean grading with a check under its strict bar (a timeout on a loaded machine) is graded again;
     one that reaches its ceiling is cached; one that never does raises BaselineError and caches nothing."""
-    from grader.h5schema import read_reference
-    from recorder.app import compose_task
+    from catalog.h5schema import read_reference
+    from catalog.tasks import compose_task
     cfg, ref = compose_task("llama3-sft"), read_reference(ROOT / "references" / "llama3-sft.h5")
     good = _fake_base({})["clean"]
     good = [dict(c, bar=1.0 if c["aspect"] == "spec" else 0.999) for c in good]
@@ -360,16 +360,16 @@ def test_a_clean_baseline_below_its_ceiling_is_refused_regraded_and_never_cached
         checks = slow if len(gradings) <= 2 or plan == "never" else good
         return {"checks": checks, "reward": 0.9, "earned_levels": 1, "gated": None}
 
-    monkeypatch.setattr(sweep, "_grade", fake_grade)
-    assert sweep.below_ceiling({"checks": good}) == [] and "L2/c0 0.000000 (timeout" in \
-        sweep.below_ceiling({"checks": slow})[0]
+    monkeypatch.setattr(baseline, "_grade", fake_grade)
+    assert baseline.below_ceiling({"checks": good}) == [] and "L2/c0 0.000000 (timeout" in \
+        baseline.below_ceiling({"checks": slow})[0]
     plan = "once"
-    base = sweep.task_baseline("llama3-sft", cfg, ref, ("L2",), tmp_path / "cache", tmp_path, None, impact="off",
+    base = baseline.task_baseline("llama3-sft", cfg, ref, ("L2",), tmp_path / "cache", tmp_path, None, impact="off",
                                progress=lambda m: None)
     assert len(gradings) == 4 and base["clean"] == good  # the first pair refused, the second kept
     assert list((tmp_path / "cache").rglob("baseline.json"))
     plan, gradings[:] = "never", []
-    with pytest.raises(sweep.BaselineError, match="below its ceiling"):
-        sweep.task_baseline("llama3-sft", cfg, ref, ("L2",), tmp_path / "cache2", tmp_path, None, impact="off",
+    with pytest.raises(baseline.BaselineError, match="below its ceiling"):
+        baseline.task_baseline("llama3-sft", cfg, ref, ("L2",), tmp_path / "cache2", tmp_path, None, impact="off",
                             progress=lambda m: None)
-    assert len(gradings) == 2 * sweep.BASELINE_ATTEMPTS and not list((tmp_path / "cache2").rglob("baseline.json"))
+    assert len(gradings) == 2 * baseline.BASELINE_ATTEMPTS and not list((tmp_path / "cache2").rglob("baseline.json"))

@@ -17,21 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from grader.measures import tensor_score
-from jax_oracles.training import collator as j_collator
-from jax_oracles.training import lora as j_lora
-from jax_oracles.training import loss as j_loss
-from jax_oracles.training import optimizer as j_optimizer
-from jax_oracles.training import processor as j_processor
-from jax_oracles.training import sft as j_sft
-from jax_oracles.training import template as j_template
-from torch_sources.training import collator as t_collator
-from torch_sources.training import lora as t_lora
-from torch_sources.training import loss as t_loss
-from torch_sources.training import optimizer as t_optimizer
-from torch_sources.training import processor as t_processor
-from torch_sources.training import sft as t_sft
-from torch_sources.training import template as t_template
+from grader.scoring.measures import tensor_score
+from jax_oracles.training import collator as j_collator, lora as j_lora, loss as j_loss, optimizer as j_optimizer, processor as j_processor, sft as j_sft, template as j_template
+from torch_sources.training import collator as t_collator, lora as t_lora, loss as t_loss, optimizer as t_optimizer, processor as t_processor, sft as t_sft, template as t_template
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

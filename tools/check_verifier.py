@@ -1,7 +1,7 @@
 """Fail unless this interpreter is a torch-free verifier: none of the forbidden packages importable.
 
 Run with the verifier's own interpreter (`make verifier` does): `.venv-verifier/bin/python -I
-tools/check_verifier.py`. Standard library only; the list is grader.gate.FORBIDDEN, repeated here
+tools/check_verifier.py`. Standard library only; the list is grader.isolation.gate.FORBIDDEN, repeated here
 because the verifier cannot import the grader package (a test keeps the two equal).
 """
 import importlib.util

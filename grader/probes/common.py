@@ -4,7 +4,7 @@ Every L0-L4 probe runs under a wall-clock limit of its own (SIGALRM in the main 
 Python-level hang costs that check only and the rest of the group still runs; a hang inside C
 code never returns to the interpreter, and the group's process timeout (grader/app.py) kills it.
 L5/L6 checks share their level's budget in CPU seconds of this process (time.process_time, SIGPROF),
-the clock the grader keeps the whole process tree to from outside (grader/clock.py): stopping
+the clock the grader keeps the whole process tree to from outside (grader/isolation/clock.py): stopping
 here at the budget is what lets an honest child keep the checks it finished in time. These limits
 are the child's own, so a candidate can stop them; the verdict is the grader's clock, never these.
 """
@@ -20,9 +20,9 @@ import traceback
 import jax
 import numpy as np
 
-from grader import _guard
-from grader.exchange import write_outputs
-from grader.h5schema import read_arrays
+from catalog.h5schema import read_arrays
+from grader.isolation import _guard
+from grader.isolation.exchange import write_outputs
 
 SPENT_S = 0.05  # CPU-s: a timed level's budget with less than this left is spent
 DEFAULT_CHECK_TIMEOUT_S = 120.0  # L0-L4, when meta has no "check_timeout_s"; L5/L6 get the time budget
@@ -118,6 +118,7 @@ def run_probes(inputs_path, outputs_path, make_ctx, probes, cpu_origin: float = 
     time.process_time())."""
     groups, attrs = read_arrays(inputs_path)
     meta = attrs["meta"]
+    probes = probes(meta) if callable(probes) else probes  # a method's table is found from its config
     # asset paths are relative to the inputs directory: the sandbox mounts it where the grader cannot know
     base = os.path.dirname(os.path.abspath(inputs_path))
     meta["assets"] = {k: os.path.join(base, v) for k, v in (meta.get("assets") or {}).items()}
@@ -167,7 +168,7 @@ def run_probes(inputs_path, outputs_path, make_ctx, probes, cpu_origin: float = 
 
 class _CompileClock:
     """Seconds JAX spends tracing, lowering and compiling, per check (jax.monitoring's compile events).
-    Read by the calibration only (grader/budget.py), on the repo's own oracle: never a candidate's word."""
+    Read by the calibration only (grader/timing/budget.py), on the repo's own oracle: never a candidate's word."""
     EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
               "/jax/core/compile/backend_compile_duration")
 

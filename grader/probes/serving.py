@@ -12,11 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grader.layout import layout_arrays
+from catalog.layout import layout_arrays
+from catalog.trace import pressure_config, trace_arrays
+from catalog.workloads import TOP_LOGPROBS, branch_params, dense_logprobs, long_decode_config, pad_rows, prompt_logprob_arrays, run_long_decode, run_stop_workload, sampled_params, stop_params, unpad_rows
 from grader.probes.common import n, run_probes
-from grader.trace import pressure_config, trace_arrays
-from grader.workloads import (TOP_LOGPROBS, branch_params, dense_logprobs, prompt_logprob_arrays,
-                              pad_rows, long_decode_config, run_long_decode, run_stop_workload, sampled_params, stop_params, unpad_rows)
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

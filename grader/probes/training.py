@@ -15,15 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grader.layout import layout_arrays
+from catalog.layout import layout_arrays
+from catalog.workloads import FIXED_STEPS_OPTIONS, data_fields, fixed_step_runs, tied_checkpoint
 from grader.probes.common import run_probes
-from grader.workloads import FIXED_STEPS_OPTIONS, data_fields, fixed_step_runs, tied_checkpoint
 
 jax.config.update("jax_default_matmul_precision", "highest")
-
-
-# per method: its args class and end-to-end entry point in jax_oracles/training/<method>.py
-METHOD_ENTRIES = {"sft": ("TrainArgs", "train_sft"), "dpo": ("DPOArgs", "train_dpo"), "ppo": ("PPOArgs", "train_ppo")}
 
 
 class Ctx:
@@ -34,6 +30,7 @@ class Ctx:
         self.assets = meta["assets"]
         self.train = task["method"]["train"]
         self.method = task["method"]["name"]
+        self.method_cfg = task["method"]  # configs/method/<name>.yaml: workflow, args, entry, probes
         self.prefix = fam["model_prefix"]
         modname = fam["model_module"][:-3].replace("/", ".")
         self.family = importlib.import_module(f"jax_oracles.{modname}")
@@ -62,7 +59,7 @@ class Ctx:
 
     @property
     def workflow(self):
-        return importlib.import_module(f"jax_oracles.training.{self.method}")
+        return importlib.import_module(f"jax_oracles.{self.method_cfg['workflow']}")
 
     @property
     def lora(self):
@@ -70,7 +67,7 @@ class Ctx:
 
     @property
     def args(self):
-        return getattr(self.workflow, METHOD_ENTRIES[self.method][0])(**self.train, template=self.template)
+        return getattr(self.workflow, self.method_cfg["args"])(**self.train, template=self.template)
 
     @property
     def layer0_params(self):
@@ -89,7 +86,7 @@ class Ctx:
     def run(self):
         """The candidate's own entry point from the raw dataset (once for every L5 check)."""
         if getattr(self, "result", None) is None:
-            entry = getattr(self.workflow, METHOD_ENTRIES[self.method][1])
+            entry = getattr(self.workflow, self.method_cfg["entry"])
             paths = [self.assets[k] for k in ("checkpoint", "tokenizer", "data", "reward_model") if k in self.assets]
             self.result = entry(*paths, self.args)  # PPO also takes its reward model
         return self.result
@@ -328,7 +325,7 @@ def probe_e2e_adapter(ctx, inp):
 def probe_heldout_loss(ctx, inp):
     """Logits of the candidate's public forward, with the adapter its own L5 run produced (handed in
     as adapter.<PEFT name>), on the held-out batches b<i>.*. Never the candidate's train_sft or
-    evaluate: the grader computes the loss from these logits (grader/heldout.py)."""
+    evaluate: the grader computes the loss from these logits (catalog/heldout.py)."""
     lora = importlib.import_module("jax_oracles.training.lora")
     model = ctx.sft.load_model(ctx.assets["checkpoint"], ctx.sft.lora_config(ctx.args), ctx.args.seed)
     adapter = lora.lora_tree_from_state_dict({k[len("adapter."):]: np.asarray(v) for k, v in inp.items()
@@ -351,9 +348,12 @@ PROBES.update({
 })
 
 
-def main(inputs_path, outputs_path):
-    from grader.probes.training_dpo import PROBES as DPO_PROBES
-    from grader.probes.training_ppo import PROBES as PPO_PROBES
+def method_probes(meta) -> dict:
+    """These probes and the task's method's own (configs/method/<name>.yaml `probes`: a module beside this one),
+    found by name: a new method registers in its config, not here."""
+    extra = meta["task"]["method"].get("probes")
+    return {**PROBES, **(importlib.import_module(f"grader.probes.{extra}").PROBES if extra else {})}
 
-    # one table for every method: the names are distinct, and the child runs only the checks it is handed
-    run_probes(inputs_path, outputs_path, Ctx, {**PROBES, **DPO_PROBES, **PPO_PROBES})
+
+def main(inputs_path, outputs_path):
+    run_probes(inputs_path, outputs_path, Ctx, method_probes)

@@ -7,10 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from catalog.workloads import DPO_FIXED_STEPS_OPTIONS, dpo_eval_outputs, dpo_trajectory_outputs, fixed_step_runs, metric_key, pad_rows, width_dependent_metrics
 from grader.probes.training import _lora_from_inputs, _unflatten_steps, n
-from grader.workloads import (DPO_FIXED_STEPS_OPTIONS, dpo_eval_outputs, dpo_trajectory_outputs, fixed_step_runs,
-                              width_dependent_metrics,
-                              metric_key, pad_rows)
 
 FIELDS = ("input_ids", "attention_mask", "labels")
 
@@ -109,7 +107,7 @@ def probe_dpo_e2e_eval(ctx, inp):
 def probe_heldout_preference(ctx, inp):
     """Policy and reference logits of the candidate's public forward, with the adapter its own L5 run produced
     (adapter.<PEFT name>), on the held-out pairwise batches b<i>.*. Never its train_dpo or evaluate: the
-    grader computes loss and accuracy from these logits (grader/heldout.py)."""
+    grader computes loss and accuracy from these logits (catalog/heldout.py)."""
     model = _model(ctx)
     adapter = ctx.lora.lora_tree_from_state_dict({k[len("adapter."):]: np.asarray(v) for k, v in inp.items()
                                                   if k.startswith("adapter.")})

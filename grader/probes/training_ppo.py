@@ -1,6 +1,6 @@
 """Run the PPO checks on a candidate (the twin of recorder/probes/training_ppo.py), inside the sandboxed child:
 the candidate's jax_oracles.training.ppo through its public names, on the recorded inputs only. The L6 probe
-decodes with grader code (grader/ppo_eval.py) over the candidate's public forward.
+decodes with grader code (catalog/ppo_eval.py) over the candidate's public forward.
 """
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from catalog.ppo_eval import decode, eval_noise
+from catalog.workloads import GAE_OPTIONS, KL_COEFS, PPO_TIE_STATS, ROLLOUT_SAMPLING_OPTIONS, pad_rows, ppo_fixed_step_outputs, ppo_fixed_step_runs, ppo_stats_outputs, prompt_features
 from grader.probes.training import _lora_from_inputs, n
-from grader.workloads import (GAE_OPTIONS, KL_COEFS, PPO_TIE_STATS, ROLLOUT_SAMPLING_OPTIONS, pad_rows,
-                              ppo_fixed_step_outputs, ppo_fixed_step_runs, ppo_stats_outputs, prompt_features)
 
 LOSS_ARGS = ("old_logprobs", "values", "logits", "vpreds", "logprobs", "mask", "advantages", "returns")
 
@@ -206,7 +206,6 @@ def probe_ppo_e2e_eval(ctx, inp):
 def probe_heldout_reward(ctx, inp):
     """Held-out responses decoded by grader code over the candidate's public forward with the adapter its own
     L5 run produced (adapter.<PEFT name>), noise from grader/ppo_eval.eval_noise; the parent scores them."""
-    from grader.ppo_eval import decode, eval_noise
 
     model = ctx.workflow.load_model(ctx.assets["checkpoint"], ctx.workflow.lora_config(ctx.args))
     adapter = ctx.lora.lora_tree_from_state_dict({k[len("adapter."):]: np.asarray(v) for k, v in inp.items()

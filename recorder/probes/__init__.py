@@ -5,7 +5,7 @@ import time
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from grader.h5schema import CheckRecord
+from catalog.h5schema import CheckRecord
 
 
 def run_probes(specs, probes: dict, ctx, console) -> list[CheckRecord]:

@@ -11,12 +11,14 @@ import time
 import numpy as np
 import torch
 
-from grader.layout import layout_arrays
-from grader.trace import pressure_config, trace_arrays
-from grader.workloads import (FINISH_CODES, TOP_LOGPROBS, branch_params, dense_logprobs, prompt_logprob_arrays,
-                              pad_rows, long_decode_config, run_long_decode, run_stop_workload, sampled_params, stop_params)
+from catalog.checks import checks_for
+from catalog.layout import layout_arrays
+from catalog.provenance import checkpoint_dir
+from catalog.trace import pressure_config, trace_arrays
+from catalog.workloads import FINISH_CODES, TOP_LOGPROBS, branch_params, dense_logprobs, long_decode_config, pad_rows, prompt_logprob_arrays, run_long_decode, run_stop_workload, sampled_params, stop_params
+from recorder.probes import run_probes
 from recorder.probes.training import ROOT, checkpoint_layout, n, public_names, rng_for, t
-from recorder.provenance import checkpoint_dir
+from torch_sources.models.mxfp4 import dequantize_mxfp4
 
 SERVING_MODULES = ("serving/config.py", "serving/request.py", "serving/block_pool.py",
                    "serving/kv_cache_manager.py", "serving/scheduler.py", "serving/input_batch.py",
@@ -174,7 +176,6 @@ def probe_mxfp4_dequant(ctx):
     """Every byte (both nibbles) under scales from 2^-9 to 2^8, then layer 0's stored down_proj experts."""
     from safetensors.numpy import load_file
 
-    from torch_sources.models.mxfp4 import dequantize_mxfp4
 
     blocks = np.arange(256, dtype=np.uint8).reshape(8, 2, 16)
     scales = (118 + np.arange(16, dtype=np.uint8)).reshape(8, 2)
@@ -546,8 +547,6 @@ PROBES = {
 
 def record_task(cfg, dev, console):
     """-> (records, band, end-to-end wall-clock of the L5 workload on the torch engine)."""
-    from grader.checks import checks_for
-    from recorder.probes import run_probes
 
     spec, checks = checks_for("serving", None, frozenset(cfg.family.get("features", ())))
     ctx = Ctx(cfg)

@@ -6,31 +6,31 @@ this file is grader/probes/training.py, which gets only the inputs.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import ast
 import gc
 import hashlib
 import importlib
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from grader.checks import checks_for
-from grader.h5schema import CheckRecord
-from grader.layout import layout_arrays
-from grader.workloads import FIXED_STEPS_OPTIONS, data_fields, fixed_step_runs, tied_checkpoint
-from recorder.provenance import ROOT, checkpoint_dir
+from catalog.checks import checks_for
+from catalog.h5schema import CheckRecord
+from catalog.heldout import eval_loss
+from catalog.layout import layout_arrays
+from catalog.provenance import ROOT, checkpoint_dir
+from catalog.workloads import FIXED_STEPS_OPTIONS, data_fields, fixed_step_runs, tied_checkpoint
+from recorder.probes import run_probes
+from torch_sources.models.loading import tensor_index
 
 # modules whose public names a candidate must mirror (relative to torch_sources/ and jax_oracles/); the
 # method's workflow (training/<method>.py) is added per task
 TRAINING_MODULES = ("training/template.py", "training/processor.py", "training/collator.py",
                     "training/lora.py", "training/optimizer.py", "training/loss.py", "training/sft.py")
-# per method: its args class and end-to-end entry point in torch_sources/training/<method>.py
-METHOD_ENTRIES = {"sft": ("TrainArgs", "train_sft"), "dpo": ("DPOArgs", "train_dpo"), "ppo": ("PPOArgs", "train_ppo")}
 
 
 def rng_for(name: str) -> np.random.Generator:
@@ -56,14 +56,15 @@ class Ctx:
         self.ckpt = checkpoint_dir(cfg)  # checkpoint=PATH, else the family's
         self.model = getattr(self.family, f"{self.prefix}ForCausalLM").from_pretrained(self.ckpt)
         self.config = self.model.config
-        self.method = cfg.method.name
-        if self.method not in METHOD_ENTRIES:
-            raise ValueError(f"unknown training method {self.method!r}; known: {sorted(METHOD_ENTRIES)}")
+        self.method = cfg.method.name  # configs/method/<name>.yaml registers its workflow, args, entry and probes
+        missing = [k for k in ("workflow", "args", "entry") if not cfg.method.get(k)]
+        if missing:
+            raise ValueError(f"configs/method/{self.method}.yaml names no {', '.join(missing)}")
         self.sft = importlib.import_module("torch_sources.training.sft")
         self.lora = importlib.import_module("torch_sources.training.lora")
-        self.workflow = importlib.import_module(f"torch_sources.training.{self.method}")
-        args_cls, self.entry = METHOD_ENTRIES[self.method]
-        self.args = getattr(self.workflow, args_cls)(**dict(cfg.method.train), template=cfg.family.template)
+        self.workflow = importlib.import_module(f"torch_sources.{cfg.method.workflow}")
+        self.entry = cfg.method.entry
+        self.args = getattr(self.workflow, cfg.method.args)(**dict(cfg.method.train), template=cfg.family.template)
         self.features = frozenset(cfg.family.features)
         self.result, self.band, self.l6_attrs, self.wall = None, None, {}, None
 
@@ -112,7 +113,6 @@ def probe_layout(ctx):
 
 def checkpoint_layout(ckpt) -> dict[str, tuple[int, ...]]:
     """{HF name: shape} of every checkpoint tensor: a converted tree must come from each exactly once."""
-    from torch_sources.models.loading import tensor_index
     return {name: tuple(e["shape"]) for name, (_, e) in tensor_index(ckpt).items()}  # the headers: no tensor read
 
 
@@ -448,9 +448,8 @@ def _heldout_logits(ctx, batches, adapter: dict) -> list[np.ndarray]:
 
 def probe_heldout_loss(ctx):
     """Inputs: the held-out batches (the grader keeps the labels and computes the loss from the
-    candidate's logits, grader/heldout.py). Output: the source's eval loss of the seed run; the band
+    candidate's logits, catalog/heldout.py). Output: the source's eval loss of the seed run; the band
     is the spread of the seed-varied runs."""
-    from grader.heldout import eval_loss
 
     losses = [ctx.run().eval_loss_after if s == ctx.args.seed else ctx.train(s).eval_loss_after
               for s in ctx.cfg.method.band_seeds]
@@ -460,7 +459,7 @@ def probe_heldout_loss(ctx):
     ours = eval_loss(_heldout_logits(ctx, batches, ctx.result.lora_state_dict), [b["labels"] for b in batches],
                      ctx.args.per_device_eval_batch_size)
     if not abs(ours - ctx.result.eval_loss_after) <= 1e-5 * abs(ctx.result.eval_loss_after):
-        raise RuntimeError(f"grader/heldout.py gives {ours!r} on the recorded held-out batches, "
+        raise RuntimeError(f"catalog/heldout.py gives {ours!r} on the recorded held-out batches, "
                            f"the source's evaluation {ctx.result.eval_loss_after!r}")
     inputs = {f"b{i}.{k}": v for i, b in enumerate(batches) for k, v in b.items()}
     inputs["eval_batch_size"] = np.int64(ctx.args.per_device_eval_batch_size)
@@ -480,13 +479,10 @@ PROBES.update({
 
 def record_task(cfg, dev, console):
     """-> (records, L6 band, wall-clock of the end-to-end torch training run)."""
-    from recorder.probes import run_probes
-    from recorder.probes.training_dpo import PROBES as DPO_PROBES
-    from recorder.probes.training_ppo import PROBES as PPO_PROBES
-
     ctx = Ctx(cfg)
     spec, checks = checks_for("training", ctx.method, ctx.features)
-    probes = {**PROBES, **{"dpo": DPO_PROBES, "ppo": PPO_PROBES}.get(ctx.method, {})}
+    extra = cfg.method.get("probes")  # the method's own probe module beside this one, found by name
+    probes = {**PROBES, **(importlib.import_module(f"recorder.probes.{extra}").PROBES if extra else {})}
     specs = [s for s in spec + checks if s.name != "torch_free"]
     shared = [s for s in specs if s.level in ("L0", "L1", "L2", "L3")]  # the probes that read ctx.model
     records = run_probes(shared, probes, ctx, console)

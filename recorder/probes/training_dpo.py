@@ -1,4 +1,4 @@
-"""Record the DPO checks of the training class (grader/checks.py, methods ("dpo",)) from
+"""Record the DPO checks of the training class (catalog/checks.py, methods ("dpo",)) from
 torch_sources/training/dpo.py. The shared training checks (operators, layer, logits, L0) come from
 recorder/probes/training.py; the JAX twin of this file is grader/probes/training_dpo.py.
 """
@@ -7,11 +7,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from grader.workloads import (DPO_FIXED_STEPS_OPTIONS, dpo_eval_outputs, dpo_trajectory_outputs, fixed_step_runs,
-                              width_dependent_metrics,
-                              metric_key, pad_rows, rewarded_steps)
+from catalog.heldout import preference_metrics
+from catalog.provenance import ROOT
+from catalog.workloads import DPO_FIXED_STEPS_OPTIONS, dpo_eval_outputs, dpo_trajectory_outputs, fixed_step_runs, metric_key, pad_rows, rewarded_steps, width_dependent_metrics
 from recorder.probes.training import _flatten_steps, _lora_init, n, rng_for, t
-from recorder.provenance import ROOT
 
 ADAPTER_SCALE = 0.05  # lora_B of the step-0 checks: a policy that differs from the reference
 
@@ -172,9 +171,8 @@ def _heldout_logits(ctx, batches, adapter: dict) -> tuple[list[np.ndarray], list
 
 def probe_heldout_preference(ctx):
     """Inputs: the held-out pairwise batches and the loss's constants (the grader keeps the labels and computes
-    loss and accuracy from the candidate's policy and reference logits, grader/heldout.py). Outputs: the
+    loss and accuracy from the candidate's policy and reference logits, catalog/heldout.py). Outputs: the
     source's eval loss and accuracy of the seed run; the bands are the spread of the seed-varied runs."""
-    from grader.heldout import preference_metrics
 
     runs = [ctx.run() if s == ctx.args.seed else ctx.train(s) for s in ctx.cfg.method.band_seeds]
     metrics = {"loss": "loss", "accuracy": "rewards/accuracies"}
@@ -185,7 +183,7 @@ def probe_heldout_preference(ctx):
                               a.pref_beta, a.dpo_label_smoothing, a.pref_ftx)
     theirs = {m: float(ctx.run().eval_after[k]) for m, k in metrics.items()}
     if abs(ours["loss"] - theirs["loss"]) > 1e-5 * abs(theirs["loss"]) or ours["accuracy"] != theirs["accuracy"]:
-        raise RuntimeError(f"grader/heldout.py gives {ours} on the recorded held-out batches, the source's "
+        raise RuntimeError(f"catalog/heldout.py gives {ours} on the recorded held-out batches, the source's "
                            f"evaluation {theirs}")
     ctx.band = (min(spread["loss"]), max(spread["loss"]))
     ctx.l6_attrs["heldout_preference"] = {

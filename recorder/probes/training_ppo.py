@@ -1,4 +1,4 @@
-"""Record the PPO checks of the training class (grader/checks.py, methods ("ppo",)) from
+"""Record the PPO checks of the training class (catalog/checks.py, methods ("ppo",)) from
 torch_sources/training/ppo.py. The shared checks come from recorder/probes/training.py; the JAX twin of
 this file is grader/probes/training_ppo.py.
 """
@@ -9,11 +9,10 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from grader.workloads import (GAE_OPTIONS, KL_COEFS, KL_CONTROLLER_KLS, PPO_TIE_STATS, ROLLOUT_SAMPLING_OPTIONS,
-                              moved_steps, pad_rows, ppo_fixed_step_outputs, ppo_fixed_step_runs, ppo_stats_outputs,
-                              prompt_rows)
+from catalog.ppo_eval import RewardModel, decode, eval_noise, heldout_reward
+from catalog.provenance import ROOT
+from catalog.workloads import GAE_OPTIONS, KL_COEFS, KL_CONTROLLER_KLS, PPO_TIE_STATS, ROLLOUT_SAMPLING_OPTIONS, moved_steps, pad_rows, ppo_fixed_step_outputs, ppo_fixed_step_runs, ppo_stats_outputs, prompt_rows
 from recorder.probes.training import _lora_init, n, rng_for, t
-from recorder.provenance import ROOT
 
 ADAPTER_SCALE = 0.05  # lora_B of the L3/L4 step checks: a policy that differs from the reference
 
@@ -319,9 +318,8 @@ def _heldout_batches(ctx) -> list[dict[str, np.ndarray]]:
 
 def probe_heldout_reward(ctx):
     """Inputs: the held-out prompt batches and the generation settings (the grader decodes with the
-    candidate's logits and scores with its own reward model, grader/ppo_eval.py). Output: the source's held-out
+    candidate's logits and scores with its own reward model, catalog/ppo_eval.py). Output: the source's held-out
     reward of the seed run; the band is the spread of the seed-varied runs."""
-    from grader.ppo_eval import RewardModel, decode, eval_noise, heldout_reward
 
     runs = [ctx.run() if s == ctx.args.seed else ctx.train(s) for s in ctx.cfg.method.band_seeds]
     rewards = [float(r.eval_after) for r in runs]
@@ -348,7 +346,7 @@ def probe_heldout_reward(ctx):
             produced.update({f"b{i}.s{k}.responses": responses, f"b{i}.s{k}.logits": logits})
     ours = heldout_reward(inputs, produced, RewardModel(ROOT / ctx.cfg.method.reward_model))[0]["reward"]
     if abs(ours - ctx.run().eval_after) > 1e-4 * max(1.0, abs(ctx.run().eval_after)):
-        raise RuntimeError(f"grader/ppo_eval.py gives {ours} on the source's forward, its evaluate_reward "
+        raise RuntimeError(f"catalog/ppo_eval.py gives {ours} on the source's forward, its evaluate_reward "
                            f"{ctx.run().eval_after}")
     ctx.band = (min(rewards), max(rewards))
     ctx.l6_attrs["heldout_reward"] = {"band_reward": [min(rewards), max(rewards)],
