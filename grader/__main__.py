@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 from catalog.h5schema import ReferenceError
 from catalog.scale import ensure_scale_checkpoints
 from catalog.tasks import known_tasks
-from grader.app import ROOT, grade
+from grader.app import ROOT, GradeOptions, grade
 from grader.isolation.sandbox import SandboxUnavailable
 from grader.timing.budget import BudgetPolicy
 
@@ -26,10 +26,10 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     ensure_scale_checkpoints(cfg)  # scale=small: its checkpoints, written on first use (configs/scale/)
     try:
-        report = grade(cfg, candidate, ROOT / cfg.references, ROOT / cfg.report_dir,
-                       budget=BudgetPolicy.from_cfg(cfg.budget),
-                       spec_timeout=cfg.timeouts.spec, numeric_timeout=cfg.timeouts.numeric,
-                       check_timeout_s=cfg.timeouts.check, trusted=bool(cfg.trusted))
+        options = GradeOptions(budget=BudgetPolicy.from_cfg(cfg.budget), spec_timeout=cfg.timeouts.spec,
+                               numeric_timeout=cfg.timeouts.numeric, check_timeout_s=cfg.timeouts.check,
+                               trusted=bool(cfg.trusted))
+        report = grade(cfg, candidate, ROOT / cfg.references, ROOT / cfg.report_dir, options)
     except ReferenceError as e:
         print(f"cannot grade {cfg.task_name}: {e}", file=sys.stderr)
         sys.exit(1)

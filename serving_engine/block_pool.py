@@ -6,7 +6,7 @@ Block 0 is the null block, as in vLLM: never handed out, never cached, never fre
 table point at it, so a padded write can never land in a request's KV.
 
 This is the JAX engine's own copy of torch_sources/serving/block_pool.py: an oracle must stand alone, so the
-mirror is intended. Keep the code identical to the original (tests/test_serving_bookkeeping.py checks it).
+mirror is intended. Keep the code identical to the original (tests/serving/test_serving_bookkeeping.py checks it).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Engine and sampling configuration of the paged-attention serving engine (host side, plain Python).
 
 This is the JAX engine's own copy of torch_sources/serving/config.py: an oracle must stand alone, so the
-mirror is intended. Keep the code identical to the original (tests/test_serving_bookkeeping.py checks it).
+mirror is intended. Keep the code identical to the original (tests/serving/test_serving_bookkeeping.py checks it).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ tpu-inference's ragged paged attention: all scheduled tokens of all requests con
 padded to a token bucket so a jitted step sees few distinct shapes.
 
 This is the JAX engine's own copy of torch_sources/serving/input_batch.py: an oracle must stand alone, so the
-mirror is intended. Keep the code identical to the original (tests/test_serving_bookkeeping.py checks it).
+mirror is intended. Keep the code identical to the original (tests/serving/test_serving_bookkeeping.py checks it).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Shaped like vllm/v1/core/kv_cache_manager.py for one full-attention KV-cache gro
 block table per request (sliding windows are applied as a mask, not by freeing blocks).
 
 This is the JAX engine's own copy of torch_sources/serving/kv_cache_manager.py: an oracle must stand alone, so the
-mirror is intended. Keep the code identical to the original (tests/test_serving_bookkeeping.py checks it).
+mirror is intended. Keep the code identical to the original (tests/serving/test_serving_bookkeeping.py checks it).
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ goes back to the front of the waiting queue. Once the request being scheduled pr
 pass stops; after any preemption no waiting request is admitted in that step.
 
 This is the JAX engine's own copy of torch_sources/serving/scheduler.py: an oracle must stand alone, so the
-mirror is intended. Keep the code identical to the original (tests/test_serving_bookkeeping.py checks it).
+mirror is intended. Keep the code identical to the original (tests/serving/test_serving_bookkeeping.py checks it).
 """
 from __future__ import annotations
 

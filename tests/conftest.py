@@ -1,6 +1,6 @@
 """Tests marked `sandbox` grade or run candidate code through the kernel boundary (bubblewrap and
 the verifier env). Where no sandbox can be made here they skip, saying exactly why; everywhere
-else (CI included) they run. The grader itself never falls back: see tests/test_sandbox.py."""
+else (CI included) they run. The grader itself never falls back: see tests/grader/test_sandbox.py."""
 import functools
 
 import pytest

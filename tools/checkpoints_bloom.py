@@ -100,3 +100,18 @@ def make_bloom(out_dir) -> Path:
 if __name__ == "__main__":
     print(make_bloom(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1]
                      / "assets" / "checkpoints" / "bloom"))
+
+
+# ---- this family's rows in the shared tool tables (found here by name: register once) ----
+
+# tools/make_tokenizer.py: special tokens (ids 400.. in this order) and what tokenizer_config.json names
+# bigscience/bloom: <unk> <s> </s> <pad> lead its vocab, all four named in the config
+TOKENIZER = {"specials": ("<unk>", "<s>", "</s>", "<pad>"), "bos_token": "<s>", "eos_token": "</s>",
+             "pad_token": "<pad>", "unk_token": "<unk>"}
+
+# tools/checkpoints_small.py (scale=small): the widths over the tiny config (over the shared Llama-like ones
+# where SMALL_BASE says so), and the stds wider than initializer_range that it rescales
+SMALL_BASE = None
+# 12 heads: not a power of two, so the extra ALiBi slopes stay in use; MLP 4 x hidden (fixed by BLOOM)
+SMALL_OVERRIDES = {"hidden_size": 768, "n_head": 12, "n_layer": 12, "vocab_size": 32000}
+SMALL_WIDE_STDS = ('BLOOM_WIDE_STD',)

@@ -145,3 +145,17 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+# ---- this family's rows in the shared tool tables (found here by name: register once) ----
+
+# tools/make_tokenizer.py: special tokens (ids 400.. in this order) and what tokenizer_config.json names
+# tiiuae/falcon-7b names only eos (no bos, no pad: LLaMA-Factory pads with eos)
+TOKENIZER = {"specials": ("<|endoftext|>",), "bos_token": None, "eos_token": "<|endoftext|>"}
+
+# tools/checkpoints_small.py (scale=small): the widths over the tiny config (over the shared Llama-like ones
+# where SMALL_BASE says so), and the stds wider than initializer_range that it rescales
+SMALL_BASE = None
+# new decoder architecture, 12 query heads in 4 KV groups; MLP 4 x hidden (the release's default)
+SMALL_OVERRIDES = {"hidden_size": 768, "num_attention_heads": 12, "num_kv_heads": 4, "num_hidden_layers": 12,
+                   "vocab_size": 32000}

@@ -40,7 +40,7 @@ GEMMA4_SEED = 4
 GEMMA4_RELEASE_SEED = 31
 
 # Keys and values as transformers 5.24 save_pretrained writes them for this tiny config
-# (checked once against Gemma4TextConfig(...).save_pretrained; tests/test_gemma4_model.py
+# (checked once against Gemma4TextConfig(...).save_pretrained; tests/models/test_gemma4_model.py
 # re-checks that transformers round-trips this dict unchanged).
 GEMMA4_CONFIG = {
     "architectures": ["Gemma4ForCausalLM"],
@@ -100,7 +100,7 @@ GEMMA4_GENERATION_CONFIG = {
 
 # The release's multimodal config.json: the keys transformers 5.24 Gemma4ForConditionalGeneration.save_pretrained
 # writes for this tiny config, except that text_config keeps the release's `global_head_dim` /
-# `num_global_key_value_heads` (5.24 resolves them into `per_layer_config`; tests/test_gemma4_release.py checks
+# `num_global_key_value_heads` (5.24 resolves them into `per_layer_config`; tests/models/test_gemma4_release.py checks
 # that transformers resolves both forms alike). No audio tower (audio_config null), as in the 31B release.
 GEMMA4_RELEASE_TEXT_CONFIG = {
     "attention_bias": False,
@@ -321,3 +321,18 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# ---- this family's rows in the shared tool tables (found here by name: register once) ----
+
+# tools/checkpoints_small.py (scale=small): the widths over the tiny config (over the shared Llama-like ones
+# where SMALL_BASE says so), and the stds wider than initializer_range that it rescales
+SMALL_BASE = None
+# E2B-style: 5 sliding layers then a full one (twice; the last layer is full), full layers with head_dim 128,
+# per-layer inputs of 32 a layer, the last 4 layers share KV (double-wide MLP), window 256, softcap kept
+SMALL_OVERRIDES = {"hidden_size": 768, "intermediate_size": 1536, "num_hidden_layers": 12, "num_attention_heads": 12,
+                   "num_key_value_heads": 4, "head_dim": 64,
+                   "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 2,
+                   "per_layer_config": {"05": {"head_dim": 128}, "11": {"head_dim": 128}},  # zero-padded as 5.24 saves
+                   "hidden_size_per_layer_input": 32, "vocab_size_per_layer_input": 32000,
+                   "num_kv_shared_layers": 4, "sliding_window": 256, "vocab_size": 32000}

@@ -73,7 +73,7 @@ GPT_OSS_CONFIG = {
 GPT_OSS_GENERATION_CONFIG = {"bos_token_id": 400, "do_sample": True, "eos_token_id": [402, 401, 403],
                              "pad_token_id": 401, "transformers_version": "4.55.0.dev0"}
 
-# Widths chosen for what they exercise (measured on this seed: see tests/test_gpt_oss_model.py).
+# Widths chosen for what they exercise (measured on this seed: see tests/models/test_gpt_oss_model.py).
 EMBED_STD = 1.0
 ATTN_STD = 0.15        # q/k/v/o weights: attention far from uniform, so the window and rope matter
 ATTN_BIAS_STD = 0.1
@@ -150,3 +150,17 @@ def make_gpt_oss(out_dir) -> Path:
     """Tiny GPT-OSS checkpoint (vocab 512, hidden 64, 2 layers sliding/full, GQA 4/2, 4 experts top-2, MXFP4)."""
     return write_checkpoint(out_dir, GPT_OSS_CONFIG, gpt_oss_tensors(GPT_OSS_CONFIG, GPT_OSS_SEED),
                             GPT_OSS_GENERATION_CONFIG)
+
+
+# ---- this family's rows in the shared tool tables (found here by name: register once) ----
+
+# tools/checkpoints_small.py (scale=small): the widths over the tiny config (over the shared Llama-like ones
+# where SMALL_BASE says so), and the stds wider than initializer_range that it rescales
+SMALL_BASE = None
+# 8 experts top-2 (the 20b: 32 top-4), hidden = intermediate as released (512: MXFP4 groups of 32 divide
+# both), GQA 8/2, sliding/full alternating with the release's window of 128; YaRN as released
+SMALL_OVERRIDES = {"hidden_size": 512, "intermediate_size": 512, "num_hidden_layers": 12, "num_attention_heads": 8,
+                   "num_key_value_heads": 2, "head_dim": 64, "num_local_experts": 8, "num_experts_per_tok": 2,
+                   "experts_per_token": 2, "layer_types": ["sliding_attention", "full_attention"] * 6,
+                   "sliding_window": 128, "vocab_size": 32000}
+SMALL_WIDE_STDS = ('ATTN_STD', 'ROUTER_STD', 'GATE_UP_STD', 'DOWN_STD')

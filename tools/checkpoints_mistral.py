@@ -71,3 +71,16 @@ def make_mistral(out_dir) -> Path:
     """Tiny Mistral checkpoint (vocab 512, hidden 64, 2 layers, GQA 4/2, head_dim 16, window 16)."""
     return write_checkpoint(out_dir, MISTRAL_CONFIG, mistral_tensors(MISTRAL_CONFIG, MISTRAL_SEED),
                             MISTRAL_GENERATION_CONFIG)
+
+
+# ---- this family's rows in the shared tool tables (found here by name: register once) ----
+
+# tools/make_tokenizer.py: special tokens (ids 400.. in this order) and what tokenizer_config.json names
+# Mistral-7B v0.1/v0.2: bos <s>, eos </s>, no pad
+TOKENIZER = {"specials": ("<unk>", "<s>", "</s>"), "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+
+# tools/checkpoints_small.py (scale=small): the widths over the tiny config (over the shared Llama-like ones
+# where SMALL_BASE says so), and the stds wider than initializer_range that it rescales
+SMALL_BASE = "llama_like"
+# a window of 256: 512-token sequences cross it (tiny: 16 against 33 / 64)
+SMALL_OVERRIDES = {"sliding_window": 256}

@@ -105,3 +105,23 @@ def make_phi4(out_dir) -> Path:
 
 if __name__ == "__main__":
     print(make_phi4(Path(__file__).resolve().parents[1] / "assets" / "checkpoints" / "phi4"))
+
+
+# ---- this family's rows in the shared tool tables (found here by name: register once) ----
+
+# tools/make_tokenizer.py: special tokens (ids 400.. in this order) and what tokenizer_config.json names
+# microsoft/phi-4: bos <|endoftext|>, eos <|im_end|>, pad <|dummy_85|>
+TOKENIZER = {"specials": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|im_sep|>", "<|dummy_85|>"),
+             "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|dummy_85|>"}
+
+# tools/checkpoints_small.py (scale=small): the widths over the tiny config (over the shared Llama-like ones
+# where SMALL_BASE says so), and the stds wider than initializer_range that it rescales
+SMALL_BASE = "llama_like"
+# rotary dim 48 of head_dim 64 (partial_rotary_factor 0.75 kept): longrope's factors, one per rotary pair,
+# spread over the tiny checkpoint's ranges; at the original length 2048 = max, only the short ones apply;
+# factor 1.0 = max / original, written out (transformers warns once when it has to infer it)
+SMALL_OVERRIDES = {"original_max_position_embeddings": 2048,
+                   "rope_scaling": {"type": "longrope", "factor": 1.0,
+                                    "short_factor": [1.0 + 0.35 * i / 23 for i in range(24)],
+                                    "long_factor": [14.0 ** (i / 23) for i in range(24)]}}
+SMALL_WIDE_STDS = ('PHI4_IN_PROJ_STD',)

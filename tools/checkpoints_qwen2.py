@@ -76,3 +76,17 @@ def qwen2_tensors(config: dict, seed: int) -> dict[str, np.ndarray]:
 def make_qwen2(out_dir) -> Path:
     """Tiny Qwen2.5 checkpoint (vocab 512, hidden 64, 2 layers, GQA 4/2, head_dim 16, tied)."""
     return write_checkpoint(out_dir, QWEN2_CONFIG, qwen2_tensors(QWEN2_CONFIG, QWEN2_SEED), QWEN2_GENERATION_CONFIG)
+
+
+# ---- this family's rows in the shared tool tables (found here by name: register once) ----
+
+# tools/make_tokenizer.py: special tokens (ids 400.. in this order) and what tokenizer_config.json names
+# the Qwen2 base releases: no bos, eos = pad = <|endoftext|> (the qwen template makes <|im_end|> the eos)
+TOKENIZER = {"specials": ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), "bos_token": None,
+             "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
+
+# tools/checkpoints_small.py (scale=small): the widths over the tiny config (over the shared Llama-like ones
+# where SMALL_BASE says so), and the stds wider than initializer_range that it rescales
+SMALL_BASE = "llama_like"
+# GQA 12/2 like Qwen2.5-0.5B's 14/2; sliding window off as released (window = context, all layers)
+SMALL_OVERRIDES = {"num_key_value_heads": 2, "max_window_layers": 12, "sliding_window": 2048}

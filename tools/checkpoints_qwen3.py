@@ -79,3 +79,17 @@ def qwen3_tensors(config: dict, seed: int) -> dict[str, np.ndarray]:
 def make_qwen3(out_dir) -> Path:
     """Tiny Qwen3 checkpoint (vocab 512, hidden 64, 2 layers, GQA 4/2, head_dim 32, tied)."""
     return write_checkpoint(out_dir, QWEN3_CONFIG, qwen3_tensors(QWEN3_CONFIG, QWEN3_SEED), QWEN3_GENERATION_CONFIG)
+
+
+# ---- this family's rows in the shared tool tables (found here by name: register once) ----
+
+# tools/make_tokenizer.py: special tokens (ids 400.. in this order) and what tokenizer_config.json names
+# Qwen3-0.6B: no bos, eos <|im_end|>, pad <|endoftext|>
+TOKENIZER = {"specials": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"), "bos_token": None,
+             "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+
+# tools/checkpoints_small.py (scale=small): the widths over the tiny config (over the shared Llama-like ones
+# where SMALL_BASE says so), and the stds wider than initializer_range that it rescales
+SMALL_BASE = "llama_like"
+# head_dim 128 != hidden / heads (96), as the 0.6B's 128 != 1024 / 16
+SMALL_OVERRIDES = {"num_attention_heads": 8, "head_dim": 128, "max_window_layers": 12}

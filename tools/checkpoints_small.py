@@ -1,7 +1,7 @@
 """The `small` scale: a ~100M-parameter random-weight checkpoint of every recorded family (32k vocabulary).
 
-`small_config(family)` is the family's tiny config (its builder's `<FAMILY>_CONFIG`) with the widths of
-SMALL_OVERRIDES: hidden 768 (gpt_oss 512), 12 layers, vocab 32000, and the family's structure kept (GQA,
+`small_config(family)` is the family's tiny config (its builder's `<FAMILY>_CONFIG`) with the widths its
+builder file names (SMALL_BASE, SMALL_OVERRIDES; Llama 3's here): hidden 768 (gpt_oss 512), 12 layers, vocab 32000, and the family's structure kept (GQA,
 biases, fused projections, sliding windows crossed by 512-token sequences, gemma4's sliding/full pattern with
 per-layer inputs and KV sharing, gpt_oss's MXFP4 experts, now 8 of them top-2). `make_small(family, out_dir)`
 draws the tensors with the family's own generator (same seed as tiny) and streams them into a sharded
@@ -10,7 +10,7 @@ checkpoint (write_sharded: 200 MB shards + index json); `ensure_small(family)` w
 through a temporary directory renamed into place, so an interrupted write never leaves half a checkpoint.
 Hundreds of MB each: never under assets/.
 
-The tiny builders widen some projections beyond initializer_range (the *_STD constants in WIDE_STDS) so that
+The tiny builders widen some projections beyond initializer_range (the *_STD constants each builder file lists in SMALL_WIDE_STDS) so that
 a 64-wide model's attention scores and activations are O(1); at small widths those stds are multiplied by
 sqrt(tiny hidden / small hidden), which keeps the same per-unit statistics. Stds tied to initializer_range or
 to 1/sqrt(fan_in) need nothing.
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["SMALL_FAMILIES", "SMALL_OVERRIDES", "SMALL_VOCAB", "SMALL_SEQ_LEN", "SMALL_SHARD_BYTES", "WIDE_STDS",
+__all__ = ["SMALL_FAMILIES", "SMALL_VOCAB", "small_overrides", "SMALL_SEQ_LEN", "SMALL_SHARD_BYTES",
            "tiny_config", "small_config", "small_shapes", "param_count", "make_small", "small_checkpoint_dir",
            "ensure_small"]
 
@@ -45,28 +45,23 @@ SMALL_VOCAB = 32000
 SMALL_SEQ_LEN = 512           # configs/scale/small.yaml: cutoff_len, max_model_len
 SMALL_SHARD_BYTES = 200_000_000
 
-# family -> (tools module, config, generation config, seed, tensor generator) by name in that module
+def _sibling_families() -> tuple[str, ...]:
+    """The families with a tools/checkpoints_<family>.py builder (this file aside)."""
+    return tuple(sorted(p.stem[len("checkpoints_"):] for p in TOOLS.glob("checkpoints_*.py") if p.stem != "checkpoints_small"))
+
+
+# family -> (tools module, config, generation config, seed, tensor generator) by name in that module: Llama 3's two
+# checkpoints live in make_checkpoints.py; every other family's in tools/checkpoints_<family>.py, named by convention
 SOURCES = {
     "llama3": ("make_checkpoints", "LLAMA3_CONFIG", "LLAMA3_GENERATION_CONFIG", "LLAMA3_SEED",
                "llama3_tensor_stream"),
     "llama3-reward": ("make_checkpoints", "LLAMA3_CONFIG", "LLAMA3_GENERATION_CONFIG", "LLAMA3_REWARD_SEED",
                       "llama3_tensor_stream"),
-    "gemma4": ("checkpoints_gemma4", "GEMMA4_CONFIG", "GEMMA4_GENERATION_CONFIG", "GEMMA4_SEED", "gemma4_tensors"),
-    "bloom": ("checkpoints_bloom", "BLOOM_CONFIG", "BLOOM_GENERATION_CONFIG", "BLOOM_SEED", "bloom_tensors"),
-    "falcon": ("checkpoints_falcon", "FALCON_CONFIG", "FALCON_GENERATION_CONFIG", "FALCON_SEED", "falcon_tensors"),
-    "mistral": ("checkpoints_mistral", "MISTRAL_CONFIG", "MISTRAL_GENERATION_CONFIG", "MISTRAL_SEED",
-                "mistral_tensors"),
-    "qwen2": ("checkpoints_qwen2", "QWEN2_CONFIG", "QWEN2_GENERATION_CONFIG", "QWEN2_SEED", "qwen2_tensors"),
-    "qwen3": ("checkpoints_qwen3", "QWEN3_CONFIG", "QWEN3_GENERATION_CONFIG", "QWEN3_SEED", "qwen3_tensors"),
-    "phi4": ("checkpoints_phi4", "PHI4_CONFIG", "PHI4_GENERATION_CONFIG", "PHI4_SEED", "phi4_tensors"),
-    "starcoder2": ("checkpoints_starcoder2", "STARCODER2_CONFIG", "STARCODER2_GENERATION_CONFIG", "STARCODER2_SEED",
-                   "starcoder2_tensors"),
-    "gpt_oss": ("checkpoints_gpt_oss", "GPT_OSS_CONFIG", "GPT_OSS_GENERATION_CONFIG", "GPT_OSS_SEED",
-                "gpt_oss_tensors"),
+    **{f: (f"checkpoints_{f}", f"{f.upper()}_CONFIG", f"{f.upper()}_GENERATION_CONFIG", f"{f.upper()}_SEED",
+           f"{f}_tensors") for f in _sibling_families()},
 }
 SMALL_FAMILIES = tuple(SOURCES)
 
-_S, _F = "sliding_attention", "full_attention"
 _LLAMA_LIKE = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
                "num_key_value_heads": 4, "vocab_size": SMALL_VOCAB, "max_position_embeddings": 2048}
 # Llama 3.1's rope scaling as released (original 8192). transformers warns that it is not below
@@ -74,50 +69,21 @@ _LLAMA_LIKE = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers
 _LLAMA3 = {**_LLAMA_LIKE, "head_dim": 64, "tie_word_embeddings": False,
            "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                             "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
-SMALL_OVERRIDES: dict[str, dict] = {
-    "llama3": _LLAMA3,
-    "llama3-reward": _LLAMA3,
-    # a window of 256: 512-token sequences cross it (tiny: 16 against 33 / 64)
-    "mistral": {**_LLAMA_LIKE, "sliding_window": 256},
-    # GQA 12/2 like Qwen2.5-0.5B's 14/2; sliding window off as released (window = context, all layers)
-    "qwen2": {**_LLAMA_LIKE, "num_key_value_heads": 2, "max_window_layers": 12, "sliding_window": 2048},
-    # head_dim 128 != hidden / heads (96), as the 0.6B's 128 != 1024 / 16
-    "qwen3": {**_LLAMA_LIKE, "num_attention_heads": 8, "head_dim": 128, "max_window_layers": 12},
-    # rotary dim 48 of head_dim 64 (partial_rotary_factor 0.75 kept): longrope's factors, one per rotary pair,
-    # spread over the tiny checkpoint's ranges; at the original length 2048 = max, only the short ones apply
-    "phi4": {**_LLAMA_LIKE, "original_max_position_embeddings": 2048,
-             # factor 1.0 = max / original, written out (transformers warns once when it has to infer it)
-             "rope_scaling": {"type": "longrope", "factor": 1.0, "short_factor": [1.0 + 0.35 * i / 23 for i in range(24)],
-                              "long_factor": [14.0 ** (i / 23) for i in range(24)]}},
-    "starcoder2": {**_LLAMA_LIKE, "intermediate_size": 3072, "sliding_window": 256},
-    # 12 heads: not a power of two, so the extra ALiBi slopes stay in use; MLP 4 x hidden (fixed by BLOOM)
-    "bloom": {"hidden_size": 768, "n_head": 12, "n_layer": 12, "vocab_size": SMALL_VOCAB},
-    # new decoder architecture, 12 query heads in 4 KV groups; MLP 4 x hidden (the release's default)
-    "falcon": {"hidden_size": 768, "num_attention_heads": 12, "num_kv_heads": 4, "num_hidden_layers": 12,
-               "vocab_size": SMALL_VOCAB},
-    # E2B-style: 5 sliding layers then a full one (twice; the last layer is full), full layers with head_dim 128,
-    # per-layer inputs of 32 a layer, the last 4 layers share KV (double-wide MLP), window 256, softcap kept
-    "gemma4": {"hidden_size": 768, "intermediate_size": 1536, "num_hidden_layers": 12, "num_attention_heads": 12,
-               "num_key_value_heads": 4, "head_dim": 64, "layer_types": ([_S] * 5 + [_F]) * 2,
-               "per_layer_config": {"05": {"head_dim": 128}, "11": {"head_dim": 128}},  # zero-padded as 5.24 saves
-               "hidden_size_per_layer_input": 32, "vocab_size_per_layer_input": SMALL_VOCAB,
-               "num_kv_shared_layers": 4, "sliding_window": 256, "vocab_size": SMALL_VOCAB},
-    # 8 experts top-2 (the 20b: 32 top-4), hidden = intermediate as released (512: MXFP4 groups of 32 divide
-    # both), GQA 8/2, sliding/full alternating with the release's window of 128; YaRN as released
-    "gpt_oss": {"hidden_size": 512, "intermediate_size": 512, "num_hidden_layers": 12, "num_attention_heads": 8,
-                "num_key_value_heads": 2, "head_dim": 64, "num_local_experts": 8, "num_experts_per_tok": 2,
-                "experts_per_token": 2, "layer_types": [_S, _F] * 6, "sliding_window": 128,
-                "vocab_size": SMALL_VOCAB},
-}
-# The tiny builders' stds wider than initializer_range, chosen for a 64/96-wide model: rescaled by
-# sqrt(tiny hidden / small hidden) at small widths (the module docstring).
-WIDE_STDS = {
-    "bloom": ("BLOOM_WIDE_STD",),
-    "phi4": ("PHI4_IN_PROJ_STD",),
-    "starcoder2": ("IN_PROJ_STD",),
-    "gpt_oss": ("ATTN_STD", "ROUTER_STD", "GATE_UP_STD", "DOWN_STD"),
-    "llama3-reward": ("LLAMA3_REWARD_HEAD_STD",),  # the value head: scores spread by about one unit, as tiny's
-}
+SMALL_BASES = {"llama_like": _LLAMA_LIKE, None: {}}  # what a family file's SMALL_BASE may name
+
+
+def _family_rows(family: str) -> tuple[dict, tuple[str, ...]]:
+    """(config overrides, wide stds) of a family at scale=small: Llama 3's here, every other family's in its own
+    tools/checkpoints_<family>.py (SMALL_BASE, SMALL_OVERRIDES, SMALL_WIDE_STDS)."""
+    if family in ("llama3", "llama3-reward"):  # the value head: scores spread by about one unit, as tiny's
+        return _LLAMA3, ("LLAMA3_REWARD_HEAD_STD",) if family == "llama3-reward" else ()
+    mod = _load(SOURCES[family][0])
+    if not hasattr(mod, "SMALL_OVERRIDES"):
+        raise ValueError(f"tools/checkpoints_{family}.py has no SMALL_OVERRIDES: the family has no small scale")
+    overrides = {**SMALL_BASES[getattr(mod, "SMALL_BASE", None)], **mod.SMALL_OVERRIDES}
+    if overrides.get("vocab_size") != SMALL_VOCAB:
+        raise ValueError(f"tools/checkpoints_{family}.py: SMALL_OVERRIDES vocab_size must be {SMALL_VOCAB}")
+    return overrides, tuple(getattr(mod, "SMALL_WIDE_STDS", ()))
 
 
 def _load(module: str) -> types.ModuleType:
@@ -136,9 +102,14 @@ def tiny_config(family: str) -> dict:
     return copy.deepcopy(getattr(_load(module), config))
 
 
+def small_overrides(family: str) -> dict:
+    """What scale=small changes of the family's tiny config (a copy)."""
+    return copy.deepcopy(_family_rows(family)[0])
+
+
 def small_config(family: str) -> dict:
     """The family's tiny config with the small widths (SMALL_OVERRIDES): a complete config.json dict."""
-    return {**tiny_config(family), **copy.deepcopy(SMALL_OVERRIDES[family])}
+    return {**tiny_config(family), **copy.deepcopy(_family_rows(family)[0])}
 
 
 def _width_factor(family: str) -> float:
@@ -150,7 +121,7 @@ def _module(family: str) -> types.ModuleType:
     """The family's builder module with its WIDE_STDS rescaled for the small widths."""
     mod = _load(SOURCES[family][0])
     factor = _width_factor(family)
-    for name in WIDE_STDS.get(family, ()):
+    for name in _family_rows(family)[1]:
         setattr(mod, name, getattr(mod, name) * factor)
     return mod
 

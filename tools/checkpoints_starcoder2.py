@@ -110,3 +110,16 @@ def make_starcoder2(out_dir) -> Path:
 
 if __name__ == "__main__":
     print(make_starcoder2(Path(__file__).resolve().parents[1] / "assets" / "checkpoints" / "starcoder2"))
+
+
+# ---- this family's rows in the shared tool tables (found here by name: register once) ----
+
+# tools/make_tokenizer.py: special tokens (ids 400.. in this order) and what tokenizer_config.json names
+# bigcode/starcoder2: bos = eos = <|endoftext|>, no pad
+TOKENIZER = {"specials": ("<|endoftext|>",), "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
+
+# tools/checkpoints_small.py (scale=small): the widths over the tiny config (over the shared Llama-like ones
+# where SMALL_BASE says so), and the stds wider than initializer_range that it rescales
+SMALL_BASE = "llama_like"
+SMALL_OVERRIDES = {"intermediate_size": 3072, "sliding_window": 256}
+SMALL_WIDE_STDS = ('IN_PROJ_STD',)

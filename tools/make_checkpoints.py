@@ -181,11 +181,11 @@ def _sibling_builder(family: str, module: str | None = None):
 
 
 # One builder per checkpoint directory under assets/checkpoints/ (a family may have several, e.g. falcon's
-# two attention layouts); the other families' builders live in tools/checkpoints_<family>.py.
-SIBLING_FAMILIES = ("gemma4", "bloom", "falcon", "mistral", "qwen2", "qwen3", "phi4", "starcoder2", "gpt_oss")
+# two attention layouts); the other families' builders live in tools/checkpoints_<family>.py, found by name.
+SIBLING_FAMILIES = tuple(sorted(p.stem[len("checkpoints_"):] for p in Path(__file__).parent.glob("checkpoints_*.py")
+                                if p.stem != "checkpoints_small"))
 BUILDERS = {"llama3": make_llama3, "llama3-reward": make_llama3_reward,
-            **{f: _sibling_builder(f) for f in SIBLING_FAMILIES
-               if Path(__file__).with_name(f"checkpoints_{f}.py").is_file()},
+            **{f: _sibling_builder(f) for f in SIBLING_FAMILIES},
             "falcon-mqa": _sibling_builder("falcon-mqa", "falcon"),  # Falcon-7B's multi-query layout (tests)
             "gemma4-release": _sibling_builder("gemma4-release", "gemma4")}  # the multimodal release layout
 

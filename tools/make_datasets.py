@@ -9,7 +9,7 @@ System prompts make some rows longer than cutoff_len (64), so the shipped data e
 LLaMA-Factory's truncation (`infer_seqlen`): a long prompt on a single-turn row cuts the source
 (the user turn and even the assistant header); a one-sentence prompt on a multi-turn row leaves
 the second turn a partial budget, which cuts its prompt, its answer (labels end without the
-<|eot_id|>) or drops it. tests/test_hf_trainer_semantics.py asserts each case occurs.
+<|eot_id|>) or drops it. tests/training/test_hf_trainer_semantics.py asserts each case occurs.
 
 `np.random.default_rng(SEED)` draws the turns (train first, then eval);
 `np.random.default_rng(SEED + 1)` then draws the system prompts. Two streams keep every turn as

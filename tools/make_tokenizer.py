@@ -12,7 +12,8 @@ follow at ids 400.. (all < 512, the models' vocab); Llama 3's: 400 <|begin_of_te
 <|python_tag|>, <|finetune_right_pad_id|> and reserved specials. There is no BOS post-processor:
 a template that wants bos inserts it itself (LLaMA-Factory's `format_prefix`).
 
-tokenizer_config.json names bos/eos/pad as the family's reference release does (FAMILIES): e.g. the
+tokenizer_config.json names bos/eos/pad as the family's reference release does (FAMILIES: Llama 3's here,
+every other family's `TOKENIZER` row in its tools/checkpoints_<family>.py): e.g. the
 base Meta-Llama-3.1 checkpoints (bos <|begin_of_text|>, eos <|end_of_text|>, no pad token, the
 Llama 3 chat template), the case LLaMA-Factory's `replace_eos` exists for: the template makes
 <|eot_id|> the eos and the pad. Two runs give byte-identical files.
@@ -20,6 +21,7 @@ Llama 3 chat template), the case LLaMA-Factory's `replace_eos` exists for: the t
 
 from __future__ import annotations
 
+import ast
 import json
 import sys
 from pathlib import Path
@@ -77,25 +79,20 @@ class Family(NamedTuple):  # not a dataclass: tests load this file without regis
     chat_template: str | None = None
 
 
+def _family_rows() -> dict[str, Family]:
+    """Every other family's row, `TOKENIZER` in its tools/checkpoints_<family>.py, read statically (literal only):
+    a new family registers there."""
+    rows = {}
+    for path in sorted(Path(__file__).parent.glob("checkpoints_*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "TOKENIZER" for t in node.targets):
+                rows[path.stem[len("checkpoints_"):]] = Family(**ast.literal_eval(node.value))
+    return rows
+
+
 FAMILIES = {
     "llama3": Family(SPECIAL_TOKENS, "<|begin_of_text|>", "<|end_of_text|>", chat_template=CHAT_TEMPLATE),
-    # bigscience/bloom: <unk> <s> </s> <pad> lead its vocab, all four named in the config
-    "bloom": Family(("<unk>", "<s>", "</s>", "<pad>"), "<s>", "</s>", pad_token="<pad>", unk_token="<unk>"),
-    # tiiuae/falcon-7b names only eos (no bos, no pad: LLaMA-Factory pads with eos)
-    "falcon": Family(("<|endoftext|>",), None, "<|endoftext|>"),
-    # Mistral-7B v0.1/v0.2: bos <s>, eos </s>, no pad
-    "mistral": Family(("<unk>", "<s>", "</s>"), "<s>", "</s>", unk_token="<unk>"),
-    # the Qwen2 base releases: no bos, eos = pad = <|endoftext|> (the qwen template makes <|im_end|> the eos)
-    "qwen2": Family(("<|endoftext|>", "<|im_start|>", "<|im_end|>"), None, "<|endoftext|>",
-                    pad_token="<|endoftext|>"),
-    # Qwen3-0.6B: no bos, eos <|im_end|>, pad <|endoftext|>
-    "qwen3": Family(("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"), None, "<|im_end|>",
-                    pad_token="<|endoftext|>"),
-    # microsoft/phi-4: bos <|endoftext|>, eos <|im_end|>, pad <|dummy_85|>
-    "phi4": Family(("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|im_sep|>", "<|dummy_85|>"), "<|endoftext|>",
-                   "<|im_end|>", pad_token="<|dummy_85|>"),
-    # bigcode/starcoder2: bos = eos = <|endoftext|>, no pad
-    "starcoder2": Family(("<|endoftext|>",), "<|endoftext|>", "<|endoftext|>"),
+    **_family_rows(),
 }
 
 

@@ -6,7 +6,7 @@ references, but not a check's probe from reading a sibling check's inputs in the
 expected output can be read off check B's inputs (PPO's L3 `rollout_generate` responses inside the rows L3
 `rollout_logprobs_values` gets; its L1 `prompt_data` prompts inside `reward_score`'s rows), a candidate scores
 A by copying. So the grader scans each child's inputs before it starts it (`scan_child`) and runs checks whose
-answers another's inputs carry in separate children (`separate`); tests/test_inputs_hold_no_answers.py scans
+answers another's inputs carry in separate children (`separate`); tests/grader/test_inputs_hold_no_answers.py scans
 every reference's plan of children and fails on any pair.
 
 The scan, for every pair of different checks A != B in one child: each expected output array of A is looked for

@@ -21,15 +21,18 @@ import signal
 import subprocess
 import tempfile
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from grader.isolation import _guard, clock, gate, sandbox
 
-__all__ = ["ForkServer"]
+__all__ = ["CHARGED_ENV", "ForkServer"]
+
+CHARGED_ENV = "T2J_CHARGED_CPU_S"  # CPU seconds a forked child is charged for what its server did before the fork
 
 # Runs in the verifier interpreter (-I): argv[1] = the directory holding the guard and the grader copy.
 _SERVER = r"""
-import json, os, select, sys, threading, traceback
+import json, os, select, sys, threading, time, traceback
 base = sys.argv[1]
 sys.path[:0] = [os.path.join(base, "boot"), os.path.join(base, "grader_pkg")]
 import _t2j_gate_guard as guard
@@ -43,7 +46,8 @@ threads = count() - blas + 1  # must be 1: jax's backend and runtime threads sta
 out = os.fdopen(os.dup(1), "w", buffering=1)
 devnull = os.open(os.devnull, os.O_RDWR)
 os.dup2(devnull, 1)
-print(json.dumps({"ready": threads == 1, "threads": threads}), file=out)
+# what a cold child pays before its probes run and a forked one does not: the grader charges it to every fork
+print(json.dumps({"ready": threads == 1, "threads": threads, "startup_cpu_s": time.process_time()}), file=out)
 running = {}
 buf = b""
 while True:
@@ -105,6 +109,11 @@ class ForkServer:
         if not hello.get("ready"):
             self.close()
             raise RuntimeError(f"the fork server cannot fork safely ({hello.get('threads')} threads after import)")
+        # A forked child skips the interpreter start and the imports its server did once. The budgets count them
+        # (the oracle's calibrated CPU is a cold child's), so each fork is charged the server's startup CPU: on
+        # the grader's clock (its limit lowered, its usage raised) and on its own copy of the budget
+        # (CHARGED_ENV, read by grader/probes/common.py). A mutant then faces the budget a real grading sets.
+        self.startup_cpu_s = float(hello.get("startup_cpu_s", 0.0))
         self._lock = threading.Lock()
         self._next = 0
         self._waiting: dict[int, dict] = {}
@@ -133,6 +142,7 @@ class ForkServer:
             self._next += 1
             rid = self._next
             slot = self._waiting[rid] = {"event": threading.Event(), "started": threading.Event()}
+            env = {**env, CHARGED_ENV: repr(self.startup_cpu_s)}
             req = {"id": rid, "path": path, "cwd": cwd, "env": env, "entry": entry, "inputs": inputs,
                    "outputs": outputs, "stdout": stdout, "stderr": stderr}
             self._proc.stdin.write(json.dumps(req).encode() + b"\n")
@@ -141,7 +151,9 @@ class ForkServer:
             slot["started"].wait()
             if "pid" not in slot:  # the server died before it forked
                 return slot.get("status", -9), clock.Usage(0.0, 0.0, None, "procfs")
-            usage = clock.watch_pid(slot["pid"], limits, slot["event"])
+            charged = replace(limits, cpu_s=limits.cpu_s - self.startup_cpu_s)
+            usage = clock.watch_pid(slot["pid"], charged, slot["event"])
+            usage = replace(usage, cpu_s=usage.cpu_s + self.startup_cpu_s)
             if usage.exceeded:
                 try:
                     os.killpg(slot["pid"], signal.SIGKILL)

@@ -31,7 +31,7 @@ What "code the edit changes" is, from the narrowest that is still sound to the w
   say) has no trustworthy coverage and is always graded.
 
 What the coverage can see: the child starts the tracer before it imports any candidate module (grader/probes/
-common.py; tests/test_sweep.py checks that no grader module imports one at its top), and candidate code runs on
+common.py; tests/grader/test_sweep.py checks that no grader module imports one at its top), and candidate code runs on
 the child's Python threads only (no JAX host callbacks or threads in the solution trees: also a test), so a
 line the child ran is a line the tracer recorded. The premise is the one the sweep's noise already rests on:
 on this CPU the same code on the same inputs gives the same outputs (two clean gradings are bit-identical).

@@ -1,27 +1,31 @@
 """AutoModelForCausalLM for the Flax twins: a checkpoint directory's `model_type` picks the family.
 
-Twin of torch_sources/models/auto.py (same table). The family's converter (conversion/<family>.py)
-reads the checkpoint torch-free.
+Twin of torch_sources/models/auto.py (the same rows, `AUTO_MODEL` in each family file). The family's converter
+(conversion/<family>.py) reads the checkpoint torch-free.
 """
 from __future__ import annotations
 
+import ast
 import importlib
 import json
 from pathlib import Path
 
 __all__ = ["MODEL_TYPES", "family_of", "family_module", "causal_lm_class", "from_pretrained"]
 
-MODEL_TYPES = {
-    "llama": ("llama3", "LlamaForCausalLM"),
-    "mistral": ("mistral", "MistralForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-    "phi3": ("phi4", "Phi3ForCausalLM"),
-    "bloom": ("bloom", "BloomForCausalLM"),
-    "falcon": ("falcon", "FalconForCausalLM"),
-    "starcoder2": ("starcoder2", "Starcoder2ForCausalLM"),
-    "gpt_oss": ("gpt_oss", "GptOssForCausalLM"),
-}
+
+def _registered() -> dict[str, tuple[str, str]]:
+    """HF model_type -> (family file, causal-LM class), from each family file's AUTO_MODEL row, read statically
+    (no family module is imported to find it): a new family registers in its own file."""
+    rows = {}
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "AUTO_MODEL" for t in node.targets):
+                model_type, cls = ast.literal_eval(node.value)
+                rows[model_type] = (path.stem, cls)
+    return rows
+
+
+MODEL_TYPES = _registered()
 
 
 def family_of(model_dir) -> str:

@@ -21,6 +21,7 @@ from jax_oracles.models.layers import (LayerInputs, LayerNorm, PlainMLP, alibi_b
                                        causal_mask, eager_attention, layer_norm)
 from jax_oracles.training.lora import LoraLinear
 
+AUTO_MODEL = ("bloom", "BloomForCausalLM")  # HF model_type -> this file's causal LM (models/auto.py finds it here)
 __all__ = [
     "CONFIG_KEYS", "BloomConfig",
     "layer_norm", "alibi_slopes", "alibi_bias", "causal_mask", "eager_attention", "split_qkv", "layer_inputs",

@@ -37,6 +37,7 @@ from jax_oracles.models.layers import (LayerInputs, RMSNorm, apply_rope, causal_
 from jax_oracles.models.rope import Rope, read_rope
 from jax_oracles.training.lora import LoraLinear
 
+AUTO_MODEL = ("gpt_oss", "GptOssForCausalLM")  # HF model_type -> this file's causal LM (models/auto.py finds it here)
 __all__ = [
     "CONFIG_KEYS", "GptOssConfig",
     "rms_norm", "rope_inv_freq", "rope_attention_factor", "rope_cos_sin", "apply_rope", "causal_mask",

@@ -23,6 +23,7 @@ from jax_oracles.models.layers import (GatedMLP, LayerInputs, RMSNorm, apply_rop
 from jax_oracles.models.rope import Rope, read_rope
 from jax_oracles.training.lora import LoraLinear
 
+AUTO_MODEL = ("llama", "LlamaForCausalLM")  # HF model_type -> this file's causal LM (models/auto.py finds it here)
 __all__ = [
     "CONFIG_KEYS", "LlamaConfig",
     "rms_norm", "rope_inv_freq", "rope_attention_factor", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention", "layer_inputs",

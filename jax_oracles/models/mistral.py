@@ -17,6 +17,7 @@ from jax_oracles.models.layers import LayerInputs, RMSNorm, apply_rope, causal_m
 from jax_oracles.models.rope import Rope, read_rope
 from jax_oracles.models.llama3 import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
+AUTO_MODEL = ("mistral", "MistralForCausalLM")  # HF model_type -> this file's causal LM (models/auto.py finds it here)
 __all__ = [
     "CONFIG_KEYS", "MistralConfig",
     "rms_norm", "rope_inv_freq", "rope_attention_factor", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention", "layer_inputs",

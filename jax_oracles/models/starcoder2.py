@@ -23,6 +23,7 @@ from jax_oracles.models.layers import (LayerInputs, LayerNorm, PlainMLP, apply_r
 from jax_oracles.models.rope import Rope, read_rope
 from jax_oracles.training.lora import LoraLinear
 
+AUTO_MODEL = ("starcoder2", "Starcoder2ForCausalLM")  # HF model_type -> this file's causal LM (models/auto.py finds it here)
 __all__ = [
     "CONFIG_KEYS", "Starcoder2Config",
     "layer_norm", "rope_inv_freq", "rope_attention_factor", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention", "layer_inputs",

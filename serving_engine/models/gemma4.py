@@ -15,6 +15,7 @@ from serving_engine.models.common import PagedModel
 from serving_engine.paged_attention import (AttentionMetadata, PagedKVCache, ragged_paged_attention,
                                             write_to_kv_cache)
 
+SERVES = ("gemma4_text", "gemma4")  # the config.json model_types this module serves (models/__init__.py finds them here)
 __all__ = ["load_model", "forward_paged", "decoder_layer_paged", "compute_logits"]
 
 

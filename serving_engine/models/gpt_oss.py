@@ -9,6 +9,7 @@ from conversion import gpt_oss as conversion
 from jax_oracles.models.gpt_oss import GptOssAttention, GptOssForCausalLM, GptOssMLP
 from serving_engine.models.paged_decoder import paged_functions
 
+SERVES = ("gpt_oss",)  # the config.json model_types this module serves (models/__init__.py finds them here)
 __all__ = ["load_model", "forward_paged", "decoder_layer_paged", "compute_logits"]
 
 _PAGED = paged_functions(GptOssForCausalLM, conversion, attention=GptOssAttention, mlp=GptOssMLP)

@@ -6,6 +6,7 @@ from conversion import llama3 as conversion
 from jax_oracles.models.llama3 import LlamaForCausalLM
 from serving_engine.models.paged_decoder import paged_functions
 
+SERVES = ("llama",)  # the config.json model_types this module serves (models/__init__.py finds them here)
 __all__ = ["load_model", "forward_paged", "decoder_layer_paged", "compute_logits"]
 
 _PAGED = paged_functions(LlamaForCausalLM, conversion)

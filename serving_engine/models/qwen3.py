@@ -6,6 +6,7 @@ from conversion import qwen3 as conversion
 from jax_oracles.models.qwen3 import Qwen3ForCausalLM
 from serving_engine.models.paged_decoder import paged_functions
 
+SERVES = ("qwen3",)  # the config.json model_types this module serves (models/__init__.py finds them here)
 __all__ = ["load_model", "forward_paged", "decoder_layer_paged", "compute_logits"]
 
 _PAGED = paged_functions(Qwen3ForCausalLM, conversion)

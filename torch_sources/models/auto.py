@@ -1,27 +1,32 @@
 """AutoModelForCausalLM, as LLaMA-Factory's loader uses it: a checkpoint directory's `model_type` picks the family.
 
-One row per recorded family: HF model_type -> (family file under models/, causal-LM class). The JAX twin
-(jax_oracles/models/auto.py) holds the same table.
+One row per recorded family, kept in the family file (`AUTO_MODEL`): HF model_type -> (family file under
+models/, causal-LM class). The JAX twin (jax_oracles/models/auto.py) finds the same rows in its own files.
 """
 from __future__ import annotations
 
+import ast
 import importlib
+from pathlib import Path
 
 from torch_sources.models.loading import CheckpointError, load_config
 
 __all__ = ["MODEL_TYPES", "family_of", "family_module", "causal_lm_class", "from_pretrained"]
 
-MODEL_TYPES = {
-    "llama": ("llama3", "LlamaForCausalLM"),
-    "mistral": ("mistral", "MistralForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-    "phi3": ("phi4", "Phi3ForCausalLM"),
-    "bloom": ("bloom", "BloomForCausalLM"),
-    "falcon": ("falcon", "FalconForCausalLM"),
-    "starcoder2": ("starcoder2", "Starcoder2ForCausalLM"),
-    "gpt_oss": ("gpt_oss", "GptOssForCausalLM"),
-}
+
+def _registered() -> dict[str, tuple[str, str]]:
+    """HF model_type -> (family file, causal-LM class), from each family file's AUTO_MODEL row, read statically
+    (no family module is imported to find it): a new family registers in its own file."""
+    rows = {}
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "AUTO_MODEL" for t in node.targets):
+                model_type, cls = ast.literal_eval(node.value)
+                rows[model_type] = (path.stem, cls)
+    return rows
+
+
+MODEL_TYPES = _registered()
 
 
 def family_of(model_dir) -> str:

@@ -22,6 +22,7 @@ from torch_sources.models.layers import (LayerInputs, LayerNorm, PlainMLP, alibi
                                          causal_mask, eager_attention, layer_norm)
 from torch_sources.models.loading import load_config, load_pretrained
 
+AUTO_MODEL = ("bloom", "BloomForCausalLM")  # HF model_type -> this file's causal LM (models/auto.py finds it here)
 __all__ = [
     "CONFIG_KEYS", "BloomConfig",
     "layer_norm", "alibi_slopes", "alibi_bias", "causal_mask", "eager_attention", "split_qkv", "layer_inputs",

@@ -3,7 +3,7 @@ source's numbers) or refused (with the one value accepted); jax_oracles/models/c
 
 A family file declares its `CONFIG_KEYS = KeyAudit(...)` and its config's `from_hf` calls
 `CONFIG_KEYS.check(d)` first: a key in none of the lists, or a refused key at another value, stops
-loading with a message that names the key. tests/test_config_keys.py holds each list to transformers'
+loading with a message that names the key. tests/models/test_config_keys.py holds each list to transformers'
 config class of the family (every key it saves, plus the release-only keys), so a key transformers adds
 is a failing test, not a silent drop.
 """

@@ -30,6 +30,7 @@ from torch_sources.models.loading import load_config, load_state_dict
 from torch_sources.models.rope import Rope, read_rope
 from torch_sources.models.mxfp4 import dequantize_mxfp4
 
+AUTO_MODEL = ("gpt_oss", "GptOssForCausalLM")  # HF model_type -> this file's causal LM (models/auto.py finds it here)
 __all__ = [
     "CONFIG_KEYS", "GptOssConfig",
     "rms_norm", "rope_inv_freq", "rope_attention_factor", "rope_cos_sin", "apply_rope", "causal_mask",

@@ -20,6 +20,7 @@ from torch_sources.models.layers import (GatedMLP, LayerInputs, RMSNorm, apply_r
 from torch_sources.models.loading import load_config, load_pretrained
 from torch_sources.models.rope import Rope, read_rope
 
+AUTO_MODEL = ("llama", "LlamaForCausalLM")  # HF model_type -> this file's causal LM (models/auto.py finds it here)
 __all__ = [
     "CONFIG_KEYS", "LlamaConfig",
     "rms_norm", "rope_inv_freq", "rope_attention_factor", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention", "layer_inputs",

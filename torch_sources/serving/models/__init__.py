@@ -5,17 +5,27 @@
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from types import ModuleType
 
 from torch_sources.models.loading import load_config
-from torch_sources.serving.models import gemma4, gpt_oss, llama3, qwen2, qwen3
 
 __all__ = ["FAMILIES", "family", "load_model"]
 
 # config.json model_type -> serving module
 # (a Gemma 4 release is "gemma4", the multimodal config; its language model is served)
-FAMILIES: dict[str, ModuleType] = {"llama": llama3, "qwen2": qwen2, "qwen3": qwen3, "gemma4_text": gemma4,
-                                 "gemma4": gemma4, "gpt_oss": gpt_oss}
+def _served() -> dict[str, ModuleType]:
+    """model_type -> family module, from each module's SERVES row: a new family registers in its own file."""
+    out = {}
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for model_type in getattr(module, "SERVES", ()):
+            out[model_type] = module
+    return out
+
+
+FAMILIES: dict[str, ModuleType] = _served()
 
 
 def family(model_dir) -> ModuleType:

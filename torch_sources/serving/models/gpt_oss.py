@@ -8,6 +8,7 @@ from __future__ import annotations
 from torch_sources.models.gpt_oss import GptOssForCausalLM
 from torch_sources.serving.models.paged_decoder import paged_functions
 
+SERVES = ("gpt_oss",)  # the config.json model_types this module serves (models/__init__.py finds them here)
 __all__ = ["load_model", "forward_paged", "decoder_layer_paged", "compute_logits"]
 
 _PAGED = paged_functions(GptOssForCausalLM)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch_sources.models.qwen2 import Qwen2ForCausalLM
 from torch_sources.serving.models.paged_decoder import paged_functions
 
+SERVES = ("qwen2",)  # the config.json model_types this module serves (models/__init__.py finds them here)
 __all__ = ["load_model", "forward_paged", "decoder_layer_paged", "compute_logits"]
 
 _PAGED = paged_functions(Qwen2ForCausalLM)
