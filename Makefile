@@ -5,12 +5,16 @@ STAMP  := .venv/.installed-stamp
 VENV_V := .venv-verifier
 VPY    := $(VENV_V)/bin/python
 VSTAMP := $(VENV_V)/.installed-stamp
+# LLaMA-Factory itself, for the parity harness only (tools/lf_parity): never used by the tests, the recorder or the grader.
+VENV_LF := .venv-lf
+LFPY    := $(VENV_LF)/bin/python
+LFSTAMP := $(VENV_LF)/.installed-stamp
 TASK   ?= llama3-sft
 SCALE  ?= tiny
 JOBS   ?= 2
 PYTEST := $(PY) -m pytest -q -p no:randomly
 
-.PHONY: venv verifier sandbox record record-all grade grade-all calibrate stability coverage-torch sweep test test-full bench assets stale clean-venv
+.PHONY: lf-env lf-parity venv verifier sandbox record record-all grade grade-all calibrate stability coverage-torch sweep test test-full bench assets stale clean-venv
 
 venv: $(STAMP)
 
@@ -67,6 +71,25 @@ coverage-torch: venv   ## branch coverage of torch_sources/ while recording ever
 # hydra/launcher=local (or cluster), then python -m grader.sweep aggregate=true (docs/SWEEP.md, issue 14).
 sweep: venv sandbox   ## seeded-defect sweep of every recorded task (hours on 2 cores); last line defects_caught=N/M strict_caught=S/M checks_tripped=K/L
 	$(PY) -m grader.sweep --all --jobs $(JOBS)
+
+# torch==2.13.0 first (the CPU build on this disk), then the lock with --no-deps: pip's own resolution of llamafactory
+# would pull torchvision 0.28 / torchaudio 2.11, which do not load against torch 2.13 (tools/lf_parity/README.md).
+# LF's PPO trainer needs TRL <= 0.9.6 while the package pins 0.24: TRL 0.9.6 goes to an overlay only the PPO run sees.
+$(LFSTAMP): tools/lf_parity/requirements.lock tools/lf_parity/requirements-ppo-overlay.lock
+	test -x $(LFPY) || python3 -m venv $(VENV_LF)
+	$(LFPY) -m pip install -q --upgrade pip
+	$(LFPY) -m pip install -q torch==2.13.0
+	$(LFPY) -m pip install -q --no-deps -r tools/lf_parity/requirements.lock
+	rm -rf $(VENV_LF)/overlays/trl-0.9.6
+	$(LFPY) -m pip install -q --no-deps --target $(VENV_LF)/overlays/trl-0.9.6 -r tools/lf_parity/requirements-ppo-overlay.lock
+	rm -rf $(VENV_LF)/overlays/trl-0.9.6/tests $(VENV_LF)/overlays/trl-0.9.6/bin
+	$(LFPY) -I tools/lf_parity/check_env.py $(VENV_LF)/overlays/trl-0.9.6
+	touch $(LFSTAMP)
+
+lf-env: $(LFSTAMP)   ## LLaMA-Factory 0.9.5 in its own venv (.venv-lf; .venv and .venv-verifier untouched)
+
+lf-parity: venv lf-env   ## every training task through LLaMA-Factory and the torch source: docs/LF_PARITY.md (~40 min)
+	$(PY) -m tools.lf_parity task=all table=docs/LF_PARITY.md
 
 stale: venv
 	$(PY) -m recorder stale=true

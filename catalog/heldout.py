@@ -8,8 +8,9 @@ the labels stay with the grader); the child returns `b<i>.logits` from the candi
 forward, and `eval_loss` below turns them into HF Trainer.evaluate's eval_loss:
 
 - per batch, HF `prediction_step`: ForCausalLMLoss with num_items_in_batch = that batch's own
-  labelled tokens, i.e. the token mean of the cross entropy of logits[:, :-1] against
-  labels[:, 1:] over labels != -100;
+  labelled positions (transformers 5.6, LF 0.9.5's: labels != -100 over every position), i.e. the
+  cross entropy of logits[:, :-1] against labels[:, 1:] summed over labels != -100, divided by
+  that count (the token mean, unless the first position is labelled: train_on_prompt);
 - over batches, `evaluation_loop`: each batch's loss repeated eval_batch_size times (the
   configured size, a short last batch too), non-finite ones dropped (logging_nan_inf_filter)
   unless all are, then the mean (`mean_of_batch_losses` in torch_sources/training/sft.py).
@@ -61,12 +62,13 @@ def _token_logps(logits, labels) -> tuple[np.ndarray, np.ndarray]:
 
 
 def batch_loss(logits, labels) -> float:
-    """logits f[B,T,V], labels int[B,T] -> the batch's token-mean CE over the shifted labels (NaN
-    when no label survives the shift, as torch's 0 / 0)."""
-    logps, keep = _token_logps(logits, labels)
-    if not keep.any():
+    """logits f[B,T,V], labels int[B,T] -> the batch's CE summed over the shifted labels / its labelled
+    positions before the shift (HF's num_items_in_batch; NaN when there are none, as torch's 0 / 0)."""
+    logps, _ = _token_logps(logits, labels)
+    count = int((np.asarray(labels) != IGNORE_INDEX).sum())
+    if count == 0:
         return float("nan")
-    return float(-logps.sum() / keep.sum())
+    return float(-logps.sum() / count)
 
 
 def sequence_logps(logits, labels) -> tuple[np.ndarray, np.ndarray]:

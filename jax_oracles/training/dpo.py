@@ -276,12 +276,14 @@ def train_steps(model_dir, lora_init_state_dict: dict, step_batches: list[list[d
     return losses, lora_state_dict(lora)
 
 
-def _evaluate(model: CausalLM, lora, features: list[dict], args: DPOArgs, length: int) -> dict[str, float]:
+def _evaluate(model: CausalLM, lora, features: list[dict], args: DPOArgs, length: int,
+              pad_token_id: int) -> dict[str, float]:
     """Per eval batch (in order) the loss and METRICS, each then averaged over batches; every batch is
-    padded to [2 x eval batch size, length] (one compile)."""
-    collate, size = PairwiseDataCollator(pad_token_id=0), args.per_device_eval_batch_size
+    padded to [2 x eval batch size, length] (one compile) with the training collator's pad id (the
+    logits/* means see the pads)."""
+    collate, size = PairwiseDataCollator(pad_token_id=pad_token_id), args.per_device_eval_batch_size
     fn = _eval_fn(model.module, args)
-    results = [fn(model.params, lora, _pad_pairs(collate(features[s:s + size]), size, length, 0))
+    results = [fn(model.params, lora, _pad_pairs(collate(features[s:s + size]), size, length, pad_token_id))
                for s in range(0, len(features), size)]
     results = jax.device_get(results)
     return {"loss": float(np.mean([loss for loss, _ in results])),
@@ -304,13 +306,13 @@ def train_dpo(model_dir, tokenizer_dir, data_dir, args: DPOArgs = DPOArgs()) -> 
 
     model = load_model(model_dir, lora_config(args))
     lora = init_lora_tree(model.params, lora_config(args), args.seed)  # lora_B = 0: the policy is the reference
-    eval_before = _evaluate(model, lora, held_out, args, length)
+    eval_before = _evaluate(model, lora, held_out, args, length, collate.pad_token_id)
     tx = _lora_optimizer(args, num_training_steps(len(train), args))
     steps = ([collate([train[i] for i in idx]) for idx in step]
              for epoch in range(args.num_train_epochs)
              for step in step_example_indices(len(train), args, epoch))
     shape = (args.gradient_accumulation_steps, args.per_device_train_batch_size, length)
     step_losses, step_metrics, lora = _run_steps(model, lora, tx, steps, args, collate.pad_token_id, shape)
-    eval_after = _evaluate(model, lora, held_out, args, length)
+    eval_after = _evaluate(model, lora, held_out, args, length, collate.pad_token_id)
     return DPOResult(step_losses, step_metrics, eval_before, eval_after, lora_state_dict(lora),
                      time.perf_counter() - start)

@@ -1,7 +1,8 @@
 """Causal-LM loss of HF transformers (ForCausalLMLoss), twin of torch_sources/training/loss.py.
 
 Labels shift left (the last position gets -100), CE over labelled tokens, summed and divided
-by `num_items_in_batch` (labelled tokens of the whole accumulation step), else the token mean.
+by `num_items_in_batch` (the labelled positions of the whole accumulation step, before the shift,
+as LF 0.9.5's transformers counts them), else the token mean of the shifted labels.
 """
 
 from __future__ import annotations
@@ -31,5 +32,5 @@ def causal_lm_loss(logits, labels, num_items_in_batch=None):
 
 
 def count_label_tokens(labels) -> int:
-    """Labelled tokens after the shift (HF Trainer counts labels[..., 1:] != -100)."""
-    return int((np.asarray(labels)[..., 1:] != IGNORE_INDEX).sum())
+    """Labelled positions, before the shift (transformers 5.6's Trainer._get_num_items_in_batch)."""
+    return int((np.asarray(labels) != IGNORE_INDEX).sum())

@@ -136,8 +136,8 @@ def load_model(model_dir, lora: LoraConfig | None = None, seed: int = 0) -> Caus
 
 # ---- jitted pieces (cached per module, optimizer and shape) ----------------------------------
 
-def _label_count(labels):  # i32[..., T] -> f32 scalar: labelled tokens after the shift
-    return jnp.sum(labels[..., 1:] != IGNORE_INDEX).astype(jnp.float32)
+def _label_count(labels):  # i32[..., T] -> f32 scalar: labelled positions before the shift (HF's num_items)
+    return jnp.sum(labels != IGNORE_INDEX).astype(jnp.float32)
 
 
 def _accumulate(module, params, lora, batches):

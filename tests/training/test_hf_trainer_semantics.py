@@ -136,7 +136,8 @@ def _hf_evaluation_loop(hf_model, features: list[dict], eval_batch_size: int) ->
 
     Written out from trainer.py (single process): a SequentialSampler in batches of
     eval_batch_size; prediction_step -> compute_loss with num_items_in_batch =
-    _get_num_items_in_batch([inputs]) (labels[..., 1:] != -100 of this batch), the model's own
+    _get_num_items_in_batch([inputs]) (labels != -100 of this batch, as transformers 5.6 counts them: LF 0.9.5's
+    stack; prompt-masked rows never label position 0, so it equals the shifted count here), the model's own
     ForCausalLMLoss dividing by it; `losses.repeat(batch_size)` with the configured size;
     concatenated; non-finite dropped (logging_nan_inf_filter); `.mean()`.
     """
@@ -144,7 +145,7 @@ def _hf_evaluation_loop(hf_model, features: list[dict], eval_batch_size: int) ->
     all_losses, summed, tokens = [], 0.0, 0
     for s in range(0, len(features), eval_batch_size):
         batch = collate(features[s:s + eval_batch_size])
-        num_items = (batch["labels"][..., 1:] != -100).sum()
+        num_items = (batch["labels"] != -100).sum()
         out = hf_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
                        num_items_in_batch=num_items)
         loss = out.loss.detach().mean()

@@ -199,10 +199,11 @@ def train_steps(model_dir, lora_init_state_dict: dict, step_batches: list[list[d
 
 
 @torch.no_grad()
-def _evaluate(model, features: list[dict], args: DPOArgs) -> dict[str, float]:
+def _evaluate(model, features: list[dict], args: DPOArgs, pad_token_id: int) -> dict[str, float]:
     """HF Trainer.evaluate: per eval batch of per_device_eval_batch_size pairs (in order) the loss and
-    METRICS; each is then the mean over batches (every batch weighs the same)."""
-    collate, size = PairwiseDataCollator(pad_token_id=0), args.per_device_eval_batch_size
+    METRICS; each is then the mean over batches (every batch weighs the same). The pad id is the
+    training collator's: the logits/* means run over every position, pads included (issue 31)."""
+    collate, size = PairwiseDataCollator(pad_token_id=pad_token_id), args.per_device_eval_batch_size
     losses, metrics = [], []
     for s in range(0, len(features), size):
         loss, m = batch_loss_metrics(model, _batch_tensors(collate(features[s:s + size])), args)
@@ -220,7 +221,7 @@ def train_dpo(model_dir, tokenizer_dir, data_dir, args: DPOArgs = DPOArgs()) -> 
 
     model = load_model(model_dir)
     inject_lora(model, lora_config(args), args.seed)  # lora_B = 0: the policy starts as the reference
-    eval_before = _evaluate(model, held_out, args)
+    eval_before = _evaluate(model, held_out, args, collate.pad_token_id)
     optimizer, scheduler = create_optimizer(model.named_parameters(), args, num_training_steps(len(train), args))
     model.train()
     step_losses, step_metrics = [], {name: [] for name in METRICS}
@@ -232,6 +233,6 @@ def train_dpo(model_dir, tokenizer_dir, data_dir, args: DPOArgs = DPOArgs()) -> 
             for name in METRICS:
                 step_metrics[name].append(metrics[name])
     model.eval()
-    eval_after = _evaluate(model, held_out, args)
+    eval_after = _evaluate(model, held_out, args, collate.pad_token_id)
     return DPOResult(step_losses, step_metrics, eval_before, eval_after, lora_state_dict(model),
                      time.perf_counter() - start)

@@ -2,8 +2,11 @@
 
 Logits in fp32; labels shift left (position t predicts label t+1; the last position gets
 -100); cross-entropy with ignore_index -100, summed and divided by `num_items_in_batch`: the
-number of labelled (shifted) tokens of the whole gradient-accumulation step, so that the
-micro-batch losses add up to the token mean of the step. Without it, the token mean.
+labelled positions of the whole gradient-accumulation step (eval: of the batch), counted as the
+transformers LLaMA-Factory 0.9.5 runs on (<= 5.6.0) counts them in `Trainer._get_num_items_in_batch`:
+`labels.ne(-100).sum()` over every position, the first one included. Only a labelled first
+position tells the two counts apart, i.e. `train_on_prompt` (issue 31; transformers 5.2x counts
+the shifted labels instead). Without it, the token mean of the shifted labels.
 """
 
 from __future__ import annotations
@@ -29,5 +32,5 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batc
 
 
 def count_label_tokens(labels) -> int:
-    """Labelled tokens after the shift (HF Trainer counts labels[..., 1:] != -100)."""
-    return int((torch.as_tensor(labels)[..., 1:] != IGNORE_INDEX).sum())
+    """Labelled positions, before the shift: transformers 5.6's `_get_num_items_in_batch`, LF 0.9.5's."""
+    return int((torch.as_tensor(labels) != IGNORE_INDEX).sum())

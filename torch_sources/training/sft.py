@@ -3,7 +3,8 @@
 raw alpaca json -> llama3 template -> supervised processor (cutoff_len) -> collator (right
 padding, multiple of 8) -> frozen base + LoRA on every projection -> HF Trainer loop:
 gradient accumulation over GA micro-batches, each micro-batch loss = summed CE / labelled
-tokens of the whole accumulation step (so the step loss is the token mean), grads summed,
+positions of the whole accumulation step (loss.py: HF's num_items_in_batch; the step loss is the
+token mean unless train_on_prompt labels the first position), grads summed,
 clipped to max_grad_norm, AdamW step, scheduler step (`lr_scheduler_type`: HF's linear or
 LLaMA-Factory's cosine). eval_loss is HF Trainer.evaluate's: each eval batch's loss is the token
 mean of that batch alone, and eval_loss is the mean over batches (not over all eval tokens).
@@ -193,7 +194,8 @@ def mean_of_batch_losses(batch_losses: list[float]) -> float:
 @torch.no_grad()
 def _evaluate(model, features: list[dict], batch_size: int) -> float:
     """HF prediction_step per batch of features (in order): compute_loss with num_items_in_batch =
-    this batch's labelled tokens, i.e. the batch's token mean; then mean_of_batch_losses."""
+    this batch's labelled positions (loss.count_label_tokens), i.e. the batch's token mean unless the first
+    position is labelled (train_on_prompt); then mean_of_batch_losses."""
     collate = SFTDataCollator(pad_token_id=0)  # pads are masked and unlabelled: their id is irrelevant
     losses = []
     for s in range(0, len(features), batch_size):

@@ -1,0 +1,89 @@
+"""What LLaMA-Factory did against what the torch source does: exact for tokens, max abs difference for numbers.
+
+Every function returns a plain dict (json-able): `max_abs` (None when there was nothing to compare), `n` (how many
+values were compared) and, where they differ in kind (a missing step, a key only one side has, a different
+token), `error` naming the first difference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+TOLERANCE = 1e-5  # issue 31: every comparable quantity within 1e-5 of LLaMA-Factory's
+
+
+def _first_token_difference(lf_rows: list[dict], rows: list[dict]) -> str | None:
+    if len(lf_rows) != len(rows):
+        return f"{len(lf_rows)} rows from LF, {len(rows)} from the source"
+    for i, (a, b) in enumerate(zip(lf_rows, rows)):
+        for key in sorted(a):
+            x, y = list(a[key]), list(b.get(key, []))
+            if x != y:
+                pos = next((p for p, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+                return (f"row {i} {key}[{pos}]: LF {x[pos:pos + 4]} vs source {y[pos:pos + 4]} "
+                        f"(lengths {len(x)} and {len(y)})")
+    return None
+
+
+def compare_tokens(lf: dict, source: dict) -> dict:
+    """lf, source: {variant: {split: [rows]}} -> {"rows": n, "error": first difference or None, "variants": [...]}."""
+    n, errors = 0, []
+    for variant, splits in source.items():
+        refused = ("refused" in splits, "refused" in lf.get(variant, {}))
+        if any(refused):  # a variant the template refuses must be refused by both
+            if not all(refused):
+                errors.append(f"{variant}: refused by {'the source' if refused[0] else 'LF'} only")
+            continue
+        for split, rows in splits.items():
+            lf_rows = lf.get(variant, {}).get(split)
+            if lf_rows is None:
+                errors.append(f"{variant}/{split}: LF produced no {split} set")
+                continue
+            keys = sorted(lf_rows[0]) if lf_rows else []
+            error = _first_token_difference(lf_rows, [{k: r[k] for k in keys if k in r} for r in rows])
+            if error:
+                errors.append(f"{variant}/{split}: {error}")
+            n += len(rows)
+    return {"rows": n, "variants": sorted(source), "error": "; ".join(errors) or None,
+            "refused": sorted(v for v, splits in source.items() if "refused" in splits)}
+
+
+def compare_values(lf, source) -> dict:
+    """Two equal-length sequences (or scalars) of floats -> max abs difference; NaN on either side is an error."""
+    a, b = np.atleast_1d(np.asarray(lf, np.float64)), np.atleast_1d(np.asarray(source, np.float64))
+    if a.shape != b.shape:
+        return {"max_abs": None, "n": 0, "error": f"shapes differ: LF {a.shape}, source {b.shape}"}
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return {"max_abs": None, "n": int(a.size), "error": "a non-finite value"}
+    return {"max_abs": float(np.abs(a - b).max()) if a.size else None, "n": int(a.size), "error": None}
+
+
+def compare_adapters(lf: dict | None, source: dict) -> dict:
+    """{peft name: array} on both sides (LF's saved adapter_model.safetensors) -> max abs over every entry."""
+    if lf is None:
+        return {"max_abs": None, "n": 0, "error": "LF saved no adapter"}
+    if lf.keys() != source.keys():
+        return {"max_abs": None, "n": 0, "error": f"names differ: LF only {sorted(lf.keys() - source.keys())[:3]}, "
+                                                  f"source only {sorted(source.keys() - lf.keys())[:3]}"}
+    worst, n = 0.0, 0
+    for name, value in source.items():
+        result = compare_values(lf[name].ravel(), np.asarray(value).ravel())
+        if result["error"]:
+            return {**result, "error": f"{name}: {result['error']}"}
+        worst, n = max(worst, result["max_abs"]), n + result["n"]
+    return {"max_abs": worst, "n": n, "error": None}
+
+
+def merge(results: list[dict]) -> dict:
+    """Several comparisons as one cell: the worst difference, the first error."""
+    errors = [r["error"] for r in results if r.get("error")]
+    diffs = [r["max_abs"] for r in results if r.get("max_abs") is not None]
+    return {"max_abs": max(diffs) if diffs else None, "n": sum(r.get("n", 0) for r in results),
+            "error": "; ".join(errors) or None}
+
+
+def within(cell: dict, tolerance: float = TOLERANCE) -> bool:
+    return cell.get("error") is None and cell.get("max_abs") is not None and cell["max_abs"] <= tolerance \
+        and not math.isnan(cell["max_abs"])

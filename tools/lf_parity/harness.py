@@ -1,0 +1,240 @@
+"""One task through LLaMA-Factory and through the torch source, side by side (runs in .venv).
+
+The job LF runs is written from the task's own Hydra config (catalog.tasks.compose_task): the method's train
+args become LF's YAML keys, the family's template LF's `template`, the task's data LF's `dataset_info.json`.
+The torch source runs the same task from the same config (its method's entry point, as the recorder does), so
+every quantity is compared with what the references were recorded from (`python -m recorder stale=true` ties
+the references to that source). The child (lf_child.py) runs under .venv-lf.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from catalog.provenance import ROOT
+from catalog.tasks import compose_task, task_method
+
+LF_PYTHON = ROOT / ".venv-lf" / "bin" / "python"
+# LF 0.9.5's PPO trainer needs TRL 0.8.6-0.9.6 (it checks), its package metadata pins trl 0.24.0: make lf-env puts
+# trl 0.9.6 in an overlay that only the PPO child sees, first on its PYTHONPATH
+TRL_OVERLAY = ROOT / ".venv-lf" / "overlays" / "trl-0.9.6"
+CHILD = Path(__file__).with_name("lf_child.py")
+
+# LF stage, its get_dataset stage, its workflow module and trainer class, the dataset_info columns of the task's data
+METHODS = {
+    "sft": ("sft", "sft", ("llamafactory.train.sft.workflow", "llamafactory.train.sft.trainer:CustomSeq2SeqTrainer"),
+            {"prompt": "instruction", "query": "input", "response": "output", "system": "system",
+             "history": "history"}),
+    "dpo": ("dpo", "rm", ("llamafactory.train.dpo.workflow", "llamafactory.train.dpo.trainer:CustomDPOTrainer"),
+            {"prompt": "instruction", "query": "input", "chosen": "chosen", "rejected": "rejected",
+             "system": "system"}),
+    "ppo": ("ppo", "ppo", ("llamafactory.train.ppo.workflow", "llamafactory.train.ppo.trainer:CustomPPOTrainer"),
+            {"prompt": "instruction", "query": "input", "response": "output", "system": "system",
+             "history": "history"}),
+}
+# the tokenization variants compared row by row (LF's data arguments); training runs the task's own
+TOKEN_VARIANTS = {
+    "sft": {"default": {}, "train_on_prompt": {"train_on_prompt": True}, "mask_history": {"mask_history": True},
+            "cutoff24": {"cutoff_len": 24}, "cutoff24.mask_history": {"cutoff_len": 24, "mask_history": True},
+            "cutoff200": {"cutoff_len": 200}},
+    "dpo": {"default": {}, "cutoff24": {"cutoff_len": 24}, "cutoff200": {"cutoff_len": 200}},
+    "ppo": {"default": {}, "cutoff24": {"cutoff_len": 24}, "cutoff200": {"cutoff_len": 200}},
+}
+# The torch sources are HF's eager attention (their fidelity tests), so the compared runs ask LF for eager too;
+# LF's default (sdpa) is run as a measured effect (parity.TRAIN_VARIANTS)
+LF_EAGER = {"flash_attn": "disabled"}
+LF_KEYS = ("learning_rate", "num_train_epochs", "per_device_train_batch_size", "per_device_eval_batch_size",
+           "gradient_accumulation_steps", "lr_scheduler_type", "warmup_ratio", "weight_decay", "adam_beta1",
+           "adam_beta2", "adam_epsilon", "max_grad_norm", "cutoff_len", "template", "seed", "lora_rank",
+           "lora_alpha", "lora_dropout", "train_on_prompt", "mask_history", "pref_beta", "pref_loss",
+           "dpo_label_smoothing", "pref_ftx", "ppo_epochs", "ppo_buffer_size", "ppo_target", "ppo_whiten_rewards",
+           "max_new_tokens", "temperature", "top_k", "top_p")
+# TRL PPOConfig field -> the project's PPOArgs field (the values LF hands TRL, or TRL's defaults LF keeps)
+PPO_CONFIG = {"learning_rate": "learning_rate", "mini_batch_size": "per_device_train_batch_size",
+              "batch_size": "batch_size", "gradient_accumulation_steps": "gradient_accumulation_steps",
+              "ppo_epochs": "ppo_epochs", "max_grad_norm": "max_grad_norm", "target": "ppo_target",
+              "whiten_rewards": "ppo_whiten_rewards", "init_kl_coef": "init_kl_coef", "adap_kl_ctrl": "adap_kl_ctrl",
+              "gamma": "gamma", "lam": "lam", "cliprange": "cliprange", "cliprange_value": "cliprange_value",
+              "vf_coef": "vf_coef", "seed": "seed"}
+
+
+@dataclass(frozen=True)
+class Job:
+    task: str
+    method: str
+    args: object  # the method's args dataclass (TrainArgs, DPOArgs, PPOArgs)
+    checkpoint: Path
+    tokenizer: Path
+    data: Path
+    work: Path
+    train: bool = True
+    variants: dict = field(default_factory=dict)
+    reward_model: Path | None = None  # PPO: LF's reward_model (full), for its argument checks
+    lf_overrides: dict = field(default_factory=lambda: dict(LF_EAGER))  # LF-only arguments
+
+
+def make_job(task: str, work: Path, overrides: dict | None = None, train: bool = True,
+             lf_overrides: dict | None = None) -> Job:
+    cfg = compose_task(task)
+    method = task_method(cfg)
+    if method is None:
+        raise ValueError(f"{task} is a serving task: LLaMA-Factory parity covers the training tasks")
+    workflow = importlib.import_module(f"torch_sources.{cfg.method.workflow}")
+    args = getattr(workflow, cfg.method.args)(**dict(cfg.method.train), template=cfg.family.template)
+    args = replace(args, **(overrides or {}))
+    return Job(task, method, args, ROOT / cfg.family.checkpoint, ROOT / cfg.family.tokenizer, ROOT / cfg.data.dir,
+               work, train, TOKEN_VARIANTS[method],
+               ROOT / cfg.method.reward_model if "reward_model" in cfg.method else None,
+               {**LF_EAGER, **(lf_overrides or {})})
+
+
+def model_dir(job: Job, checkpoint: Path | None = None, name: str = "model") -> Path:
+    """LF reads the tokenizer from model_name_or_path (the reward model's too): the checkpoint's files and the
+    tokenizer's, linked."""
+    out = job.work / name
+    out.mkdir(parents=True, exist_ok=True)
+    for src in [*(checkpoint or job.checkpoint).iterdir(), *job.tokenizer.iterdir()]:
+        link = out / src.name
+        if not link.exists():
+            link.symlink_to(src.resolve())
+    return out
+
+
+def lf_arguments(job: Job) -> dict:
+    """The LLaMA-Factory YAML of the job (written to work/lf_args.yaml as well)."""
+    stage, _, _, columns = METHODS[job.method]
+    data_dir = job.work / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    info = {}
+    for split in ("train", "eval"):
+        entry = {"file_name": str((job.data / f"{split}.json").resolve()), "formatting": "alpaca",
+                 "columns": columns}
+        if job.method == "dpo":
+            entry["ranking"] = True
+        info[f"t2j_{split}"] = entry
+    (data_dir / "dataset_info.json").write_text(json.dumps(info, indent=2))
+    values = asdict(job.args)
+    args = {key: values[key] for key in LF_KEYS if key in values}
+    args.update({
+        "model_name_or_path": str(model_dir(job)), "stage": stage, "do_train": True,
+        "finetuning_type": "lora", "lora_target": "all", "dataset": "t2j_train", "dataset_dir": str(data_dir),
+        "overwrite_cache": True, "output_dir": str(job.work / "lf_out"), "overwrite_output_dir": True,
+        "logging_steps": 1, "save_strategy": "no", "report_to": "none", "bf16": False, "fp16": False,
+        "plot_loss": False, "trust_remote_code": False,
+    })
+    args["eval_dataset"] = "t2j_eval"
+    args.update(job.lf_overrides)
+    if job.method == "ppo":
+        args.update({"reward_model": str(model_dir(job, job.reward_model, "reward_model")),
+                     "reward_model_type": "full"})
+    else:
+        args["do_eval"] = True
+    (job.work / "lf_args.yaml").write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in args.items()))
+    return args
+
+
+def project_order(job: Job, num_examples: int) -> list[list[int]]:
+    """Each epoch's example order, as the torch source draws it (sft.step_example_indices)."""
+    sft = importlib.import_module("torch_sources.training.sft")
+    return [[int(i) for step in sft.step_example_indices(num_examples, job.args, epoch) for mb in step for i in mb]
+            for epoch in range(job.args.num_train_epochs)]
+
+
+def project_adapter(job: Job) -> dict[str, np.ndarray]:
+    """The initial LoRA the torch source trains from (its seed's numpy draw, B = 0)."""
+    sft = importlib.import_module("torch_sources.training.sft")
+    lora = importlib.import_module("torch_sources.training.lora")
+    model = sft.load_model(job.checkpoint, sft.lora_config(job.args), job.args.seed)
+    return lora.lora_state_dict(model)
+
+
+def project_rows(job: Job, split: str, overrides: dict) -> list[dict]:
+    """The torch source's processed rows of one split under one variant."""
+    args = replace(job.args, **overrides)
+    if job.method == "sft":
+        sft = importlib.import_module("torch_sources.training.sft")
+        return sft.load_processed_dataset(job.tokenizer, job.data, split, args)
+    if job.method == "dpo":
+        dpo = importlib.import_module("torch_sources.training.dpo")
+        return dpo.load_pairwise_dataset(job.tokenizer, job.data, split, args)
+    ppo = importlib.import_module("torch_sources.training.ppo")
+    return ppo.load_prompt_dataset(job.tokenizer, job.data, split, args)
+
+
+def project_run(job: Job):
+    """The method's own entry point, as the recorder's L5 run calls it."""
+    cfg = compose_task(job.task)
+    workflow = importlib.import_module(f"torch_sources.{cfg.method.workflow}")
+    paths = [job.checkpoint, job.tokenizer, job.data] + ([job.reward_model] if job.reward_model else [])
+    return getattr(workflow, cfg.method.entry)(*paths, job.args)
+
+
+def ppo_injections(job: Job, result) -> dict:
+    """What LF's PPO run is handed from the project's own run (result: its PPOResult): each step's rollouts
+    (queries = the step's prompts, responses = the cut responses the project sampled), each step's mini-batch
+    orders (ppo.ppo_step's numpy draws), the value head's init and dropout."""
+    ppo = importlib.import_module("torch_sources.training.ppo")
+    args = job.args
+    train = ppo.load_prompt_dataset(job.tokenizer, job.data, "train", args)
+    steps = [idx for epoch in range(args.num_train_epochs) for idx in ppo.prompt_batch_indices(len(train), args, epoch)]
+    rollouts = [[[list(train[i]["input_ids"]) for i in idx], [[int(t) for t in row if t >= 0] for row in responses]]
+                for idx, responses in zip(steps, result.step_responses)]
+    orders = []
+    for step in range(len(steps)):
+        rng = np.random.default_rng([args.seed, ppo._MINIBATCH, step])
+        orders.append([rng.permutation(args.batch_size).tolist() for _ in range(args.ppo_epochs)])
+    hidden = json.loads((job.checkpoint / "config.json").read_text())["hidden_size"]
+    return {"rollouts": rollouts, "minibatch_orders": orders, "value_head_dropout": args.value_head_dropout,
+            "ppo_config_keys": sorted(PPO_CONFIG), "value_head_init": ppo.init_value_head(hidden, args.seed)}
+
+
+def run_lf(job: Job, timeout_s: float = 1800, extra: dict | None = None) -> dict:
+    """LLaMA-Factory's workflow in .venv-lf; -> the child's observations (work/lf/result.json). extra: more of the
+    child's job (PPO: ppo_injections, amp)."""
+    if not LF_PYTHON.exists():
+        raise FileNotFoundError(f"{LF_PYTHON} is missing: run `make lf-env` first")
+    job.work.mkdir(parents=True, exist_ok=True)
+    args = lf_arguments(job)
+    extra = dict(extra or {})
+    if job.train:
+        save_file(project_adapter(job), str(job.work / "init_adapter.safetensors"))
+    if "value_head_init" in extra:
+        save_file(extra.pop("value_head_init"), str(job.work / "init_value_head.safetensors"))
+    n_train = len(project_rows(job, "train", {}))
+    spec = {"stage": job.method, "lf_stage": METHODS[job.method][1], "workflow": METHODS[job.method][2][0],
+            "trainer": METHODS[job.method][2][1],
+            "args": args, "train": job.train, "variants": job.variants,
+            "orders": project_order(job, n_train) if job.train and job.method != "ppo" else None, **extra}
+    (job.work / "job.json").write_text(json.dumps(spec, indent=1))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    if job.method == "ppo" and job.train:
+        if not TRL_OVERLAY.exists():
+            raise FileNotFoundError(f"{TRL_OVERLAY} is missing: run `make lf-env` (it installs TRL 0.9.6 there)")
+        env["PYTHONPATH"] = str(TRL_OVERLAY)
+        # LF's check_dependencies wants trl>=0.18 and its PPO trainer trl<=0.9.6; the PPO trainer's error message
+        # gives this very fix (its own require_version still runs, and passes on the overlay's 0.9.6)
+        env["DISABLE_VERSION_CHECK"] = "1"
+    env.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(job.work / "hf_cache"),
+                "TOKENIZERS_PARALLELISM": "false", "WANDB_DISABLED": "true", "PYTHONNOUSERSITE": "1",
+                "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "2")})
+    start = time.perf_counter()
+    proc = subprocess.run([str(LF_PYTHON), str(CHILD), str(job.work)], cwd=job.work, env=env, capture_output=True,
+                          text=True, timeout=timeout_s)
+    (job.work / "lf_child.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"LLaMA-Factory's run of {job.task} failed (exit {proc.returncode}); the last lines of "
+                           f"{job.work / 'lf_child.log'}:\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-25:]))
+    result = json.loads((job.work / "lf" / "result.json").read_text())
+    result["wall_s"] = time.perf_counter() - start
+    adapter = job.work / "lf_out" / "adapter_model.safetensors"
+    result["adapter"] = load_file(str(adapter)) if adapter.exists() else None
+    return result

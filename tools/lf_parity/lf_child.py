@@ -1,0 +1,305 @@
+"""Runs in .venv-lf, never in .venv: LLaMA-Factory's own workflow for one task, instrumented, not changed.
+
+    .venv-lf/bin/python tools/lf_parity/lf_child.py WORK_DIR
+
+WORK_DIR/job.json (written by tools/lf_parity/harness.py) holds the LLaMA-Factory arguments, the stage, the
+token variants to tokenize and the data order; WORK_DIR/init_adapter.safetensors the project's initial LoRA.
+What is injected, and nothing else:
+- the initial adapter, copied into the PEFT model right after LLaMA-Factory's `load_model` built it (LF draws its
+  own A with torch's RNG; the project draws A from numpy so the JAX twin gets the same bits);
+- the data order, as the trainer's train sampler (LF's is HF's RandomSampler over torch's RNG; the project's is
+  numpy's permutation of seed + epoch);
+- a torchaudio stand-in, only where torchaudio is absent: llamafactory/data/mm_plugin.py imports it at module
+  level and uses it only to load audio (README.md, "The environment").
+What is observed: the tokenized rows (LF's get_dataset, per variant), the loss each optimizer step returns
+(the sum of HF's training_step over the step's micro-batches), LF's logged metrics, HF's evaluate() before and
+after training (every eval_* metric), and the adapter LF saved. All of it goes to WORK_DIR/lf/.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import json
+import os
+import sys
+import types
+from pathlib import Path
+
+
+def install_torchaudio_standin() -> bool:
+    """A module named torchaudio whose every attribute is missing: importable, unusable, and invisible to
+    transformers' availability checks (no distribution metadata). True when it was needed."""
+    if importlib.util.find_spec("torchaudio") is not None:
+        return False
+    module = types.ModuleType("torchaudio")
+    module.__spec__ = importlib.machinery.ModuleSpec("torchaudio", None)
+
+    def __getattr__(name):  # AttributeError, so that hasattr() and inspect see a plain module
+        raise AttributeError(f"torchaudio.{name}: torchaudio is not installed in .venv-lf (text tasks load no audio)")
+
+    module.__getattr__ = __getattr__
+    sys.modules["torchaudio"] = module
+    return True
+
+
+def _rows(dataset) -> list[dict]:
+    keep = [c for c in dataset.column_names if c.endswith(("input_ids", "labels"))]
+    return [{c: list(row[c]) for c in keep} for row in dataset]
+
+
+def main(work: Path) -> None:
+    job = json.loads((work / "job.json").read_text())
+    out = work / "lf"
+    out.mkdir(exist_ok=True)
+    shim = install_torchaudio_standin()
+
+    import torch
+
+    import llamafactory
+    from llamafactory.data import get_dataset, get_template_and_fix_tokenizer
+    from llamafactory.hparams import get_train_args
+    from llamafactory.model import load_tokenizer
+
+    torch.use_deterministic_algorithms(True)
+    seen: dict = {"datasets": {}, "step_losses": [], "micro": [], "logs": [], "eval_before": None}
+
+    # ---- tokens: LF's get_dataset under every variant's arguments (no training) ----
+    for name, overrides in job["variants"].items():
+        if job["lf_stage"] == "ppo" and "reward_model" not in job["args"]:
+            raise ValueError("LF's stage ppo needs a reward_model argument")
+        model_args, data_args, training_args, _, _ = get_train_args({**job["args"], **overrides, "do_train": True})
+        tokenizer_module = load_tokenizer(model_args)
+        try:
+            template = get_template_and_fix_tokenizer(tokenizer_module["tokenizer"], data_args)
+        except ValueError as error:  # LF refuses the variant for this template (train_on_prompt + efficient_eos)
+            seen["datasets"][name] = {"refused": str(error)}
+            continue
+        module = get_dataset(template, model_args, data_args, training_args, stage=job["lf_stage"], **tokenizer_module)
+        seen["datasets"][name] = {split: _rows(module[f"{split}_dataset"]) for split in ("train", "eval")
+                                  if module.get(f"{split}_dataset") is not None}
+        seen.setdefault("pad_token_id", tokenizer_module["tokenizer"].pad_token_id)
+    if job.get("train", True):
+        (train_ppo if job["lf_stage"] == "ppo" else train_sft_or_dpo)(job, work, seen)
+    seen.pop("micro", None)
+    (out / "result.json").write_text(json.dumps({**seen, "torchaudio_standin": shim,
+                                                  "llamafactory": llamafactory.__version__}))
+
+
+def _inject_adapter(model, init: dict, value_head: dict | None = None) -> None:
+    """The project's initial LoRA (and value head) into LF's freshly built model, by PEFT name."""
+    import torch
+
+    params = {}
+    for n, p in model.named_parameters():
+        if ".lora_" in n:
+            params[n.replace(".default", "").replace("pretrained_model.", "")] = p
+        elif n.startswith("v_head.") and value_head is not None:
+            params["@" + n] = p
+    wanted = {**init, **{"@" + k: v for k, v in (value_head or {}).items()}}
+    if params.keys() != wanted.keys():
+        raise KeyError(f"LF's trainable tensors differ from the project's: LF only "
+                       f"{sorted(params.keys() - wanted.keys())[:4]}, project only {sorted(wanted.keys() - params.keys())[:4]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(wanted[name].to(p.dtype))
+
+
+def train_sft_or_dpo(job: dict, work: Path, seen: dict) -> None:
+    import torch
+    from safetensors.torch import load_file
+    from torch.utils.data import Sampler
+    from transformers import TrainerCallback
+
+    from llamafactory.train.tuner import run_exp
+
+    workflow = importlib.import_module(job["workflow"])
+    trainer_module, trainer_name = job["trainer"].split(":")
+    trainer_cls = getattr(importlib.import_module(trainer_module), trainer_name)
+    init = load_file(str(work / "init_adapter.safetensors"))
+    load_model = workflow.load_model
+
+    def load_model_with_project_adapter(*args, **kwargs):
+        model = load_model(*args, **kwargs)
+        _inject_adapter(model, init)
+        return model
+
+    workflow.load_model = load_model_with_project_adapter
+
+    class ProjectOrder(Sampler):
+        """The project's data order: epoch e's permutation, one epoch per iteration."""
+
+        def __init__(self, orders):
+            self.orders, self.epoch = orders, 0
+
+        def __len__(self):
+            return len(self.orders[0])
+
+        def __iter__(self):
+            order = self.orders[min(self.epoch, len(self.orders) - 1)]
+            self.epoch += 1
+            return iter(order)
+
+    trainer_cls._get_train_sampler = lambda self, *a, **k: ProjectOrder(job["orders"])
+    training_step = trainer_cls.training_step
+
+    def observed_training_step(self, *args, **kwargs):
+        loss = training_step(self, *args, **kwargs)
+        seen["micro"].append(float(loss))
+        return loss
+
+    trainer_cls.training_step = observed_training_step
+    train = trainer_cls.train
+
+    def train_after_eval(self, *args, **kwargs):
+        seen["eval_before"] = self.evaluate() if self.eval_dataset is not None else None
+        return train(self, *args, **kwargs)
+
+    trainer_cls.train = train_after_eval
+
+    class Observe(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            seen["step_losses"].append(sum(seen["micro"]))
+            seen["micro"].clear()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            seen["logs"].append(dict(logs or {}))
+
+    run_exp(args=job["args"], callbacks=[Observe()])
+    final = json.loads((Path(job["args"]["output_dir"]) / "all_results.json").read_text())
+    seen["eval_after"] = {k: v for k, v in final.items() if k.startswith("eval_")} or None
+
+
+class _OrderedNumpy:
+    """numpy for TRL's ppo_trainer module, but np.random.permutation(bs) hands out the project's mini-batch orders
+    (TRL 0.9.6 PPOTrainer.step draws them from numpy's global state, once per PPO epoch)."""
+
+    def __init__(self, numpy, orders):
+        self._np, self._orders = numpy, list(orders)
+        outer = self
+
+        class _Random:
+            def permutation(self, n):
+                order = outer._orders.pop(0)
+                if len(order) != n:
+                    raise ValueError(f"TRL asked for a permutation of {n}, the project's has {len(order)}")
+                return outer._np.asarray(order)
+
+            def __getattr__(self, name):
+                return getattr(outer._np.random, name)
+
+        self.random = _Random()
+
+    def __getattr__(self, name):
+        return getattr(self._np, name)
+
+
+def train_ppo(job: dict, work: Path, seen: dict) -> None:
+    """LF's run_ppo on TRL 0.9.6 (the overlay on PYTHONPATH), its CustomPPOTrainer.ppo_train loop as it is, with
+    the rollouts injected at get_inputs: HF generate samples with torch.multinomial, the project with its own
+    noise, so the responses are the project's (queries, responses) of each mini-batch, in order; get_rewards,
+    step, the optimizer, scheduler and KL controller are LF's and TRL's."""
+    import contextlib
+
+    import numpy
+    import torch
+    from safetensors.torch import load_file
+
+    import trl
+    from llamafactory.hparams import get_train_args
+    from llamafactory.train.ppo import trainer as ppo_trainer
+    from llamafactory.train.ppo import workflow
+
+    seen["trl"] = trl.__version__
+    from transformers import PreTrainedTokenizerBase
+
+    if not hasattr(PreTrainedTokenizerBase, "additional_special_tokens_ids"):
+        # LF 0.9.5's CustomPPOTrainer reads tokenizer.additional_special_tokens_ids (gone in transformers 5) for its
+        # generation config's eos ids; supplied as LF's own SFT workflow derives them on transformers 5. Only
+        # generation reads them, and the rollouts are injected.
+        def additional_special_tokens_ids(self):
+            tokens = [str(t) for t in getattr(self, "_extra_special_tokens", [])]
+            return [i for i in self.convert_tokens_to_ids(tokens) if i != -1] if tokens else []
+
+        PreTrainedTokenizerBase.additional_special_tokens_ids = property(additional_special_tokens_ids)
+        seen["shims"] = ["tokenizer.additional_special_tokens_ids"]
+    trl_ppo = importlib.import_module("trl.trainer.ppo_trainer")
+    trl_ppo.np = _OrderedNumpy(numpy, [o for step in job["minibatch_orders"] for o in step])
+    init = load_file(str(work / "init_adapter.safetensors"))
+    value_head = load_file(str(work / "init_value_head.safetensors"))
+    load_model = workflow.load_model
+
+    def load_model_with_project_adapter(*args, **kwargs):
+        model = load_model(*args, **kwargs)
+        _inject_adapter(model, init, value_head)
+        if job.get("value_head_dropout") == 0.0:  # the project records the value head without dropout
+            model.v_head.dropout = torch.nn.Identity()
+        return model
+
+    workflow.load_model = load_model_with_project_adapter
+    cls = ppo_trainer.CustomPPOTrainer
+    if not hasattr(cls, "processing_class"):
+        # transformers 5's Trainer._save (LF's save_model calls it) saves self.processing_class, which TRL 0.9.6's
+        # PPOTrainer names self.tokenizer
+        cls.processing_class = property(lambda self: self.tokenizer)
+        seen.setdefault("shims", []).append("CustomPPOTrainer.processing_class")
+    rollouts = [(torch.tensor(q), torch.tensor(r)) for step in job["rollouts"] for q, r in zip(*step)]
+    mini = job["args"]["per_device_train_batch_size"]
+
+    def injected_get_inputs(self, batch):
+        taken = [rollouts.pop(0) for _ in range(mini)]
+        return [q for q, _ in taken], [r for _, r in taken]
+
+    cls.get_inputs = injected_get_inputs
+    get_rewards = cls.get_rewards
+
+    def observed_get_rewards(self, queries, responses):
+        if job.get("amp") is False:  # LF autocasts get_rewards and batched_forward_pass; the project is fp32
+            self.amp_context = contextlib.nullcontext()
+        if not seen.get("aligned"):
+            seen["aligned"] = True
+            if job.get("clip_every_step"):
+                # TRL 0.9.6 keeps model_params as a filter() iterator: the first clip_grad_norm_ exhausts it and
+                # every later optimizer step goes unclipped; a list clips every step, as the project does
+                self.model_params = [p for p in self.model.parameters() if p.requires_grad]
+            if job.get("no_decay_is_zero"):
+                # LF's PPO create_optimizer gives its no-decay group (biases: the value head's) no weight_decay
+                # key, so torch's AdamW default 0.01 applies; the project decays none of them
+                groups = getattr(self.optimizer, "optimizer", self.optimizer).param_groups
+                groups[0]["weight_decay"] = self.args.weight_decay  # LF builds [no-decay, decay], in that order
+            if job.get("sync_by_count"):
+                # accelerate syncs every accumulate() while the dataloader is at its last batch, so LF's last PPO
+                # step takes an optimizer step per mini-batch (each of loss / GA); the project accumulates GA
+                # mini-batches in every step
+                self.accelerator.gradient_state.plugin_kwargs["sync_with_dataloader"] = False
+        rewards = get_rewards(self, queries, responses)
+        seen.setdefault("scores", []).extend(float(x) for x in rewards.view(-1))
+        return rewards
+
+    cls.get_rewards = observed_get_rewards
+    step = cls.step
+
+    def observed_step(self, *args, **kwargs):
+        if "ppo_config" not in seen:
+            seen["ppo_config"] = {k: getattr(self.config, k) for k in job["ppo_config_keys"]}
+        stats = step(self, *args, **kwargs)
+        seen.setdefault("step_stats", []).append(
+            {k: float(numpy.asarray(v)) for k, v in stats.items() if numpy.asarray(v).size == 1})
+        return stats
+
+    cls.step = observed_step
+    # run_exp imports every stage's workflow, KTO's among them, which needs TRL >= 0.18: the PPO workflow is called
+    # as run_exp's _training_function calls it, with the arguments parsed by LF's own get_train_args
+    args = {k: v for k, v in job["args"].items() if k != "eval_dataset"}  # LF's PPO refuses an eval set
+    workflow.run_ppo(*get_train_args(args), callbacks=[])
+    if rollouts or trl_ppo.np._orders:
+        raise RuntimeError(f"LF's loop left {len(rollouts)} injected rollouts and {len(trl_ppo.np._orders)} "
+                           f"mini-batch orders unused")
+    vhead = Path(job["args"]["output_dir"]) / "value_head.safetensors"
+    seen["value_head"] = {k: v.tolist() for k, v in load_file(str(vhead)).items()} if vhead.exists() else None
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("DISABLE_VERSION_CHECK", "0")
+    main(Path(sys.argv[1]))
