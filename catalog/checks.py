@@ -78,6 +78,9 @@ _TRAINING_CHECKS = (
     _c("L3", "next_token_dist", "numeric", "distributional", "next-token distributions of the padded batch"),
     _c("L4", "loss_step0", "numeric", "scalar", "SFT loss of the first accumulation step, LoRA init", SFT),
     _c("L4", "lora_grads_step0", "numeric", "tensor", "LoRA gradients of the first accumulation step", SFT),
+    _c("L4", "loss_step0_train_on_prompt", "numeric", "scalar",
+       "the first accumulation step's SFT loss on train_on_prompt rows: every labelled position, the first one "
+       "too, in the denominator (LF 0.9.5's transformers)", SFT, ("data:train_on_prompt",)),
     _c("L4", "fixed_steps_loss", "behavioral", "scalar",
        "losses of k optimizer steps on fixed batches, under the task's optimizer args and with weight decay 1.0, lr 2e-2 on "
        "the linear schedule", SFT),

@@ -285,6 +285,12 @@ def probe_loss_step0(ctx, inp):
     return {"loss": np.float32(_step0(ctx, inp)[0])}
 
 
+def probe_loss_step0_train_on_prompt(ctx, inp):
+    model = ctx.sft.load_model(ctx.assets["checkpoint"], ctx.sft.lora_config(ctx.args), ctx.args.seed)
+    loss, _ = ctx.sft.sft_step_loss_and_grads(model, _lora_from_inputs(inp), _unflatten_steps(inp)[0])
+    return {"loss": np.float32(loss)}
+
+
 def probe_lora_grads_step0(ctx, inp):
     return {k: np.asarray(v, np.float32) for k, v in _step0(ctx, inp)[1].items()}
 
@@ -342,6 +348,7 @@ def probe_heldout_loss(ctx, inp):
 
 PROBES.update({
     "loss_step0": probe_loss_step0, "lora_grads_step0": probe_lora_grads_step0,
+    "loss_step0_train_on_prompt": probe_loss_step0_train_on_prompt,
     "fixed_steps_loss": probe_fixed_steps_loss, "fixed_steps_params": probe_fixed_steps_params,
     "e2e_step_losses": probe_e2e_step_losses, "e2e_adapter": probe_e2e_adapter,
     "e2e_eval_loss": probe_e2e_eval_loss, "heldout_loss": probe_heldout_loss,

@@ -355,9 +355,10 @@ PROBES = {
 
 # ---- L4 ----------------------------------------------------------------------------------------
 
-def _step_batches(ctx, steps: int):
-    """The first `steps` accumulation steps of epoch 0, collated exactly as the training run does."""
-    ds, collate = _processed(ctx), ctx.sft.make_collator(ctx.args, ROOT / ctx.cfg.family.tokenizer)
+def _step_batches(ctx, steps: int, **options):
+    """The first `steps` accumulation steps of epoch 0, collated exactly as the training run does (under
+    `options`, TrainArgs overrides of the data, when given)."""
+    ds, collate = _processed(ctx, **options), ctx.sft.make_collator(ctx.args, ROOT / ctx.cfg.family.tokenizer)
     idx = ctx.sft.step_example_indices(len(ds), ctx.args, 0)[:steps]
     return [[{k: n(v) if torch.is_tensor(v) else np.asarray(v) for k, v in collate([ds[i] for i in mb]).items()}
              for mb in step] for step in idx]
@@ -383,6 +384,17 @@ def probe_loss_step0(ctx):
     ctx.step0_grads = grads
     inputs = {**_flatten_steps(steps), **{f"lora.{k}": v for k, v in init.items()}}
     return inputs, {"loss": np.float32(loss)}
+
+
+def probe_loss_step0_train_on_prompt(ctx):
+    """loss_step0 on the train_on_prompt rows, whose first position is labelled: the one place the two ways of
+    counting num_items_in_batch (every labelled position, or the shifted labels) differ."""
+    steps = _step_batches(ctx, 1, train_on_prompt=True)
+    init = _lora_init(ctx)
+    model = ctx.sft.load_model(ctx.ckpt, ctx.sft.lora_config(ctx.args), ctx.args.seed)
+    loss, _ = ctx.sft.sft_step_loss_and_grads(model, init, [
+        {k: torch.from_numpy(v) for k, v in mb.items()} for mb in steps[0]])
+    return {**_flatten_steps(steps), **{f"lora.{k}": v for k, v in init.items()}}, {"loss": np.float32(loss)}
 
 
 def probe_lora_grads_step0(ctx):
@@ -471,6 +483,7 @@ def probe_heldout_loss(ctx):
 
 PROBES.update({
     "loss_step0": probe_loss_step0, "lora_grads_step0": probe_lora_grads_step0,
+    "loss_step0_train_on_prompt": probe_loss_step0_train_on_prompt,
     "fixed_steps_loss": probe_fixed_steps_loss, "fixed_steps_params": probe_fixed_steps_params,
     "e2e_step_losses": probe_e2e_step_losses, "e2e_adapter": probe_e2e_adapter,
     "e2e_eval_loss": probe_e2e_eval_loss, "heldout_loss": probe_heldout_loss,

@@ -123,7 +123,7 @@ def test_a_real_sweep_of_two_defects_catches_both_with_the_expected_checks(tmp_p
     labels = by_id["train-labels-not-shifted"]
     # The loss shift touches the loss only: everything below L4 is bit-identical to the oracle.
     assert set(labels["tripped"]) == {"L4/loss_step0", "L4/lora_grads_step0", "L4/fixed_steps_loss",
-                                      "L4/fixed_steps_params"}
+                                      "L4/fixed_steps_params", "L4/loss_step0_train_on_prompt"}
     assert labels["reward_drop"] > 1e-3 and result["checks"]["L4/loss_step0"]["tripped_by"] == [
         "train-rope-theta-default", "train-labels-not-shifted"]
 

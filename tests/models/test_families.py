@@ -14,11 +14,12 @@ from catalog.provenance import model_files, task_source_files
 from catalog.tasks import compose_task, known_tasks
 from jax_oracles.models import auto as jauto
 from torch_sources.models import auto as tauto
+from torch_sources.training.template import get_template
 
 ROOT = Path(__file__).resolve().parents[2]
 FEATURES = {"norm:rms", "norm:layer", "pos:rope", "pos:alibi", "rope:llama3", "rope:partial", "rope:longrope", "mlp:gated",
             "mlp:plain", "mlp:fused_gate_up", "qkv:fused", "attn:qkv_bias", "attn:qk_norm", "attn:sliding_window",
-            "residual:parallel", "embed:layernorm"}
+            "residual:parallel", "embed:layernorm", "data:train_on_prompt"}
 TEXT_FAMILIES = ("llama3", "bloom", "falcon", "mistral", "qwen2", "qwen3", "phi4", "starcoder2")
 KEYS = {"name", "checkpoint", "tokenizer", "template", "model_module", "model_prefix", "reward_model", "layers",
         "attention", "features"}
@@ -36,6 +37,8 @@ def test_family_yaml_is_complete_and_its_features_are_known(name):
     assert sum(f.startswith("norm:") for f in fam["features"]) == 1  # one norm kind
     assert sum(f.startswith("pos:") for f in fam["features"]) == 1  # one position kind
     assert tauto.family_of(ROOT / fam["checkpoint"]) == name  # the yaml's checkpoint is its family's
+    # the train_on_prompt check is for the templates that allow it (LF refuses it with efficient_eos)
+    assert ("data:train_on_prompt" in fam["features"]) == (not get_template(fam["template"]).efficient_eos)
     for method in ("sft", "dpo", "ppo"):
         assert f"{name}-{method}" in known_tasks()
 

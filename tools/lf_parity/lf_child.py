@@ -10,7 +10,10 @@ What is injected, and nothing else:
 - the data order, as the trainer's train sampler (LF's is HF's RandomSampler over torch's RNG; the project's is
   numpy's permutation of seed + epoch);
 - a torchaudio stand-in, only where torchaudio is absent: llamafactory/data/mm_plugin.py imports it at module
-  level and uses it only to load audio (README.md, "The environment").
+  level and uses it only to load audio (README.md, "The environment");
+- PPO (train_ppo): the project's value head init, its rollouts at get_inputs and TRL's mini-batch orders, two
+  transformers-5 shims LF 0.9.5's PPO trainer needs, and the alignments the job asks for (amp, clip_every_step,
+  no_decay_is_zero, sync_by_count: README.md, "Aligned in the compared run").
 What is observed: the tokenized rows (LF's get_dataset, per variant), the loss each optimizer step returns
 (the sum of HF's training_step over the step's micro-batches), LF's logged metrics, HF's evaluate() before and
 after training (every eval_* metric), and the adapter LF saved. All of it goes to WORK_DIR/lf/.
