@@ -34,6 +34,10 @@ def test_token_comparison_names_the_first_difference_and_refusals():
 
 def test_value_comparisons_never_hide_a_nan_or_a_shape():
     assert compare.compare_values([1.0, 2.0], [1.0, 2.0 + 1e-6])["max_abs"] == pytest.approx(1e-6)
+    # 1e-5 absolute up to magnitude 1, relative beyond (float32 spacing near 70 is 7.6e-6)
+    assert compare.within(compare.compare_values([70.0], [70.0 + 3e-4]))
+    assert not compare.within(compare.compare_values([70.0], [70.0 + 3e-3]))
+    assert not compare.within(compare.compare_values([0.5], [0.5 + 2e-5]))
     assert compare.compare_values([1.0, float("nan")], [1.0, 2.0])["error"] == "a non-finite value"
     assert "shapes differ" in compare.compare_values([1.0], [1.0, 2.0])["error"]
     a = {"x.lora_A.weight": np.ones((2, 2), np.float32)}

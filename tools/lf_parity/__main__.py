@@ -3,6 +3,7 @@
 `make lf-env`) and through the torch source; one json per task under out/, and the table (task x tokens, losses,
 adapter, eval, metrics) when asked. train_variants: the train_on_prompt and sdpa runs; ppo_effects: the PPO tasks
 whose LF-as-it-is runs (one alignment left out at a time, four more LF runs each) are measured.
+only=template: LF's template of each task (one untrained LF run each, seconds) into the existing records.
 Exit status 1 when a comparable cell is off by more than 1e-5 or a cell could not be compared for a reason
 that is not documented (parity.NOT_COMPARABLE)."""
 
@@ -14,7 +15,8 @@ from pathlib import Path
 
 from catalog.provenance import ROOT
 from catalog.tasks import compose_task, known_tasks, task_method
-from tools.lf_parity.parity import task_parity
+from tools.lf_parity.harness import Job, make_job, run_lf
+from tools.lf_parity.parity import task_parity, template_cell
 from tools.lf_parity.table import failing_cells, write_table
 
 
@@ -24,7 +26,7 @@ def training_tasks() -> list[str]:
 
 def parse(argv: list[str]) -> dict:
     options = {"task": "llama3-sft", "out": "reports/lf_parity", "table": None, "train_variants": "true",
-               "ppo_effects": "llama3-ppo"}
+               "ppo_effects": "llama3-ppo", "only": ""}
     for item in argv:
         key, sep, value = item.partition("=")
         if not sep or key not in options:
@@ -43,6 +45,18 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     records = []
     for task in tasks:
+        if options["only"] == "template":
+            job = make_job(task, out / "work" / task / "template", train=False)
+            job = Job(**{**job.__dict__, "variants": {"default": {}}})
+            path = out / f"{task}.json"
+            record = json.loads(path.read_text()) if path.exists() else {"task": task, "cells": {}}
+            record["cells"]["template"] = template_cell(job, run_lf(job))
+            path.write_text(json.dumps(record, indent=1))
+            print(f"{task}: template {'ok' if not record['cells']['template']['error'] else 'DIFFERS'}", flush=True)
+            records.append(record)
+            continue
+        elif options["only"]:
+            raise SystemExit(f"only={options['only']!r}: the one partial run is only=template")
         try:
             effects = options["ppo_effects"] == "all" or task in options["ppo_effects"].split(",")
             record = task_parity(task, out / "work" / task, options["train_variants"] == "true", effects)

@@ -22,6 +22,7 @@ from safetensors.numpy import load_file, save_file
 
 from catalog.provenance import ROOT
 from catalog.tasks import compose_task, task_method
+from torch_sources.training import dpo, lora, ppo, sft
 
 LF_PYTHON = ROOT / ".venv-lf" / "bin" / "python"
 # LF 0.9.5's PPO trainer needs TRL 0.8.6-0.9.6 (it checks), its package metadata pins trl 0.24.0: make lf-env puts
@@ -144,15 +145,12 @@ def lf_arguments(job: Job) -> dict:
 
 def project_order(job: Job, num_examples: int) -> list[list[int]]:
     """Each epoch's example order, as the torch source draws it (sft.step_example_indices)."""
-    sft = importlib.import_module("torch_sources.training.sft")
     return [[int(i) for step in sft.step_example_indices(num_examples, job.args, epoch) for mb in step for i in mb]
             for epoch in range(job.args.num_train_epochs)]
 
 
 def project_adapter(job: Job) -> dict[str, np.ndarray]:
     """The initial LoRA the torch source trains from (its seed's numpy draw, B = 0)."""
-    sft = importlib.import_module("torch_sources.training.sft")
-    lora = importlib.import_module("torch_sources.training.lora")
     model = sft.load_model(job.checkpoint, sft.lora_config(job.args), job.args.seed)
     return lora.lora_state_dict(model)
 
@@ -161,12 +159,9 @@ def project_rows(job: Job, split: str, overrides: dict) -> list[dict]:
     """The torch source's processed rows of one split under one variant."""
     args = replace(job.args, **overrides)
     if job.method == "sft":
-        sft = importlib.import_module("torch_sources.training.sft")
         return sft.load_processed_dataset(job.tokenizer, job.data, split, args)
     if job.method == "dpo":
-        dpo = importlib.import_module("torch_sources.training.dpo")
         return dpo.load_pairwise_dataset(job.tokenizer, job.data, split, args)
-    ppo = importlib.import_module("torch_sources.training.ppo")
     return ppo.load_prompt_dataset(job.tokenizer, job.data, split, args)
 
 
@@ -182,7 +177,6 @@ def ppo_injections(job: Job, result) -> dict:
     """What LF's PPO run is handed from the project's own run (result: its PPOResult): each step's rollouts
     (queries = the step's prompts, responses = the cut responses the project sampled), each step's mini-batch
     orders (ppo.ppo_step's numpy draws), the value head's init and dropout."""
-    ppo = importlib.import_module("torch_sources.training.ppo")
     args = job.args
     train = ppo.load_prompt_dataset(job.tokenizer, job.data, "train", args)
     steps = [idx for epoch in range(args.num_train_epochs) for idx in ppo.prompt_batch_indices(len(train), args, epoch)]

@@ -46,6 +46,24 @@ def install_torchaudio_standin() -> bool:
     return True
 
 
+TEMPLATE_FIELDS = ("default_system", "stop_words", "thought_words", "efficient_eos", "replace_eos", "enable_thinking",
+                   "preserve_thinking")
+
+
+def template_facts(template, tokenizer) -> dict:
+    """The template's own fields, and what its fix_special_tokens left on the tokenizer: eos, pad, the stop words'
+    ids, and the eos ids LF's generation carries ([eos] + the extra special tokens, as its SFT workflow derives them
+    on transformers 5)."""
+    facts = {k: getattr(template, k) for k in TEMPLATE_FIELDS}
+    facts = {k: list(v) if isinstance(v, tuple) else v for k, v in facts.items()}
+    extra = [str(t) for t in getattr(tokenizer, "_extra_special_tokens", [])]
+    extra_ids = [i for i in tokenizer.convert_tokens_to_ids(extra) if i != -1] if extra else []
+    facts.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                 stop_word_ids=tokenizer.convert_tokens_to_ids(list(template.stop_words)),
+                 generation_eos_ids=list(dict.fromkeys([tokenizer.eos_token_id] + extra_ids)))
+    return facts
+
+
 def _rows(dataset) -> list[dict]:
     keep = [c for c in dataset.column_names if c.endswith(("input_ids", "labels"))]
     return [{c: list(row[c]) for c in keep} for row in dataset]
@@ -82,6 +100,7 @@ def main(work: Path) -> None:
         seen["datasets"][name] = {split: _rows(module[f"{split}_dataset"]) for split in ("train", "eval")
                                   if module.get(f"{split}_dataset") is not None}
         seen.setdefault("pad_token_id", tokenizer_module["tokenizer"].pad_token_id)
+        seen.setdefault("template", template_facts(template, tokenizer_module["tokenizer"]))
     if job.get("train", True):
         (train_ppo if job["lf_stage"] == "ppo" else train_sft_or_dpo)(job, work, seen)
     seen.pop("micro", None)

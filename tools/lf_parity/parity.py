@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import h5py
 import numpy as np
 
 from catalog.provenance import ROOT
+from torch_sources.training import dpo, ppo, template
 from tools.lf_parity import compare
 from tools.lf_parity.harness import PPO_CONFIG, Job, make_job, ppo_injections, project_rows, project_run, run_lf
 
-SDPA = ("LF's default attention is HF's sdpa, the torch sources are HF's eager attention (the compared runs ask "
-        "LF for eager: flash_attn disabled); the two round differently (~1e-6 in logits) and differ on rows with no "
-        "key to attend to (pads beyond a sliding window), which only DPO's logits/* means read")
+SDPA = ("LF's default attention (flash_attn auto) is HF's sdpa where the model has it (bloom: eager), the torch "
+        "sources are HF's eager attention (the compared runs ask LF for eager: flash_attn disabled); the two round "
+        "differently (~1e-6 in logits) and differ on rows with no key to attend to (pads beyond a sliding window), "
+        "which only DPO's logits/* means read")
 # training runs besides the task's own config, each through both frameworks: (the project's args overrides, LF-only
 # arguments, None when it must match or the reason it may differ: a measured effect of LF's default)
 TRAIN_VARIANTS = {
-    "sft": {"train_on_prompt": ({"train_on_prompt": True}, {}, None), "sdpa": ({}, {"flash_attn": "sdpa"}, SDPA)},
-    "dpo": {"sdpa": ({}, {"flash_attn": "sdpa"}, SDPA)},
+    "sft": {"train_on_prompt": ({"train_on_prompt": True}, {}, None), "sdpa": ({}, {"flash_attn": "auto"}, SDPA)},
+    "dpo": {"sdpa": ({}, {"flash_attn": "auto"}, SDPA)},
     "ppo": {},
 }
 
@@ -57,7 +58,6 @@ def _run_cells(job: Job, lf: dict, result) -> dict:
         cells["eval"] = compare.merge([compare.compare_values(before.get("eval_loss"), result.eval_loss_before),
                                        compare.compare_values(after.get("eval_loss"), result.eval_loss_after)])
     else:
-        dpo = importlib.import_module("torch_sources.training.dpo")
         pairs = [(before.get(f"eval_{name}"), result.eval_before[name]) for name in ("loss", *dpo.METRICS)]
         pairs += [(after.get(f"eval_{name}"), result.eval_after[name]) for name in ("loss", *dpo.METRICS)]
         cells["eval"] = compare.merge([compare.compare_values(a, b) for a, b in pairs])
@@ -87,7 +87,7 @@ def _ppo_cells(job: Job, lf: dict, result) -> dict:
     return cells
 
 
-# The two places LF 0.9.5's PPO (on TRL 0.9.6) departs from the project's, each turned off in the compared run and
+# The four places LF 0.9.5's PPO (on TRL 0.9.6) departs from the project's, each turned off in the compared run and
 # measured on its own (docs/LF_PARITY.md): documented choices of the project, not injected behaviour.
 PPO_ALIGNED = {"amp": False, "clip_every_step": True, "no_decay_is_zero": True, "sync_by_count": True}
 PPO_EFFECTS = {
@@ -121,6 +121,23 @@ def _ppo_parity(job: Job, record: dict, effects: bool) -> None:
                 record["cells"][f"{name}.{cell_name}"] = {**cell, "reason": reason}
 
 
+def template_cell(job: Job, lf: dict) -> dict:
+    """The family's template as LF registers it against the source's register_template: its fields, and the
+    template-fixed tokenizer's eos, pad, stop-word ids and generation eos ids (PPO's stop ids)."""
+    facts = lf.get("template")
+    if not facts:
+        return {"max_abs": None, "n": 0, "error": "LF reported no template"}
+    tpl = template.get_template(job.args.template)
+    tokenizer = tpl.fix_special_tokens(template.load_tokenizer(job.tokenizer))
+    ours = {k: (list(getattr(tpl, k)) if isinstance(getattr(tpl, k), tuple) else getattr(tpl, k))
+            for k in facts if hasattr(tpl, k)}
+    ours.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                stop_word_ids=[tokenizer.convert_tokens_to_ids(w) for w in tpl.stop_words],
+                generation_eos_ids=list(ppo.generation_ids(job.tokenizer, job.args)[0]))
+    wrong = [f"{k}: LF {facts.get(k)!r}, source {ours.get(k)!r}" for k in facts if facts.get(k) != ours.get(k)]
+    return {"max_abs": 0.0 if not wrong else None, "n": len(facts), "error": "; ".join(wrong) or None}
+
+
 def _source_rows(job: Job, overrides: dict) -> dict:
     try:
         return {split: project_rows(job, split, overrides) for split in ("train", "eval")}
@@ -137,7 +154,8 @@ def task_parity(task: str, work: Path, train_variants: bool = True, ppo_effects:
     source_rows = {variant: _source_rows(job, overrides) for variant, overrides in job.variants.items()}
     record = {"task": task, "method": job.method, "lf_wall_s": round(lf["wall_s"], 1),
               "torchaudio_standin": lf.get("torchaudio_standin"),
-              "cells": {"tokens": compare.compare_tokens(lf["datasets"], source_rows)}}
+              "cells": {"tokens": compare.compare_tokens(lf["datasets"], source_rows),
+                        "template": template_cell(job, lf)}}
     cells = record["cells"]
     if job.method == "ppo":
         _ppo_parity(make_job(task, work / "run"), record, ppo_effects)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tools.lf_parity.compare import TOLERANCE, merge, within
 
-PARITY = (("tokens", ("tokens",)), ("step losses", ("losses",)), ("final adapter", ("adapter",)),
+PARITY = (("tokens", ("tokens",)), ("template", ("template",)), ("step losses", ("losses",)), ("final adapter", ("adapter",)),
           ("eval", ("eval",)), ("metrics", ("metrics",)), ("PPOConfig", ("config",)),
           ("train_on_prompt run", ("train_on_prompt.losses", "train_on_prompt.adapter", "train_on_prompt.eval")),
           ("source vs reference", ("reference",)))
@@ -91,7 +91,9 @@ def render(records: list[dict]) -> str:
         if any(n.split(".")[0] in EFFECTS for n in record["cells"]):
             effects.append(f"| {record['task']} | " + " | ".join(_effect_cell(record, e, notes) for e in EFFECTS)
                            + " |")
-    return "\n".join(["Parity (LF with the project's documented choices aligned; judged at 1e-5):", "", *rows, "",
+    return "\n".join(["Parity (LF with the project's documented choices aligned): each cell the max abs difference, "
+                      "judged at 1e-5 absolute up to magnitude 1 and relative beyond (a judged failure reads "
+                      "**> 1e-5**):", "", *rows, "",
                       "Effects of LF's own defaults where the project departs from them (max abs over the "
                       "run's compared cells; measured, not judged):", "", *effects, "",
                       *[f"[{i}] {reason}  " for i, reason in enumerate(notes.reasons, 1)]])
