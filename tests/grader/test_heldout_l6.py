@@ -69,16 +69,20 @@ def test_eval_loss_weighs_every_batch_the_same_and_shifts_the_labels():
     one[0, 0, 2] = np.log(3.0)  # position 0 predicts label 1 (token 2): p = 3/6
     labels_one = np.array([[-100, 2, -100]])
     three = np.zeros((1, 4, V))  # uniform: every labelled token costs log 4
-    labels_three = np.array([[5, 0, 1, 3]])  # label 0 is never predicted (the shift drops it)
+    labels_three = np.array([[5, 0, 1, 3]])  # label 0 is never predicted (the shift drops it) ...
     a, b = np.log(2.0), np.log(4.0)
     assert heldout.batch_loss(one, labels_one) == pytest.approx(a, abs=1e-12)
-    assert heldout.batch_loss(three, labels_three) == pytest.approx(b, abs=1e-12)
-    # the mean of per-batch token means, not the token mean (a + 3b) / 4 of the whole set
-    assert heldout.eval_loss([one, three], [labels_one, labels_three], 4) == pytest.approx((a + b) / 2, abs=1e-12)
-    # a batch with no label left after the shift is NaN (0 / 0) and dropped, as logging_nan_inf_filter does
-    unlabelled = np.array([[7, -100, -100]])
+    # ... but counts in the denominator: transformers 5.6 (LF 0.9.5's) divides by every labelled position
+    assert heldout.batch_loss(three, labels_three) == pytest.approx(3 * b / 4, abs=1e-12)
+    # the mean of per-batch losses, not the pooled mean of the whole set
+    assert heldout.eval_loss([one, three], [labels_one, labels_three], 4) == pytest.approx((a + 3 * b / 4) / 2,
+                                                                                           abs=1e-12)
+    # a batch with no label at all is NaN (0 / 0) and dropped, as logging_nan_inf_filter does; one whose only
+    # label is at position 0 is 0 / 1
+    unlabelled = np.array([[-100, -100, -100]])
     assert np.isnan(heldout.batch_loss(one, unlabelled))
     assert heldout.eval_loss([one, one], [labels_one, unlabelled], 4) == pytest.approx(a, abs=1e-12)
+    assert heldout.batch_loss(one, np.array([[7, -100, -100]])) == 0.0
     # stable: logits far past exp's range
     assert heldout.batch_loss(one + 1e4, labels_one) == pytest.approx(a, abs=1e-9)
 

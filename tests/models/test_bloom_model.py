@@ -138,7 +138,7 @@ def test_family_yaml():
     assert (fam["model_prefix"], fam["layers"], fam["attention"], fam["template"]) == (
         "Bloom", "transformer.h", "self_attention", "default")
     assert set(fam["features"]) == {"norm:layer", "pos:alibi", "qkv:fused", "mlp:plain", "attn:qkv_bias",
-                                    "embed:layernorm"}
+                                    "embed:layernorm", "data:train_on_prompt"}
 
 
 # ---- config and operators --------------------------------------------------------------------
