@@ -1,0 +1,214 @@
+"""Qwen2-VL in Flax Linen: the torch-free twin of torch_sources/models/qwen2_vl.py.
+
+A Qwen2 language model (models/qwen2.py blocks) under M-RoPE (models/mrope.py), fed by the Qwen2-VL tower
+(models/vision.py). Same public names in the same order; params named after the HF checkpoint (`model/...`,
+`visual/...`; see conversion/qwen2_vl.py). The image grid is static host data, as everything the tower derives
+from it; the rope index is host numpy too (data-dependent), so a jitted caller passes position_ids.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_oracles.models import mrope, rope
+from jax_oracles.models.config_keys import ALL_FULL, BOOKKEEPING, DROPOUT, ConfigError, KeyAudit
+from jax_oracles.models.layers import LayerInputs, RMSNorm, causal_mask
+from jax_oracles.models.qwen2 import Qwen2Config, Qwen2DecoderLayer
+from jax_oracles.models.vision import Qwen2VisionTransformer, Qwen2VLVisionConfig
+
+__all__ = [
+    "CONFIG_KEYS", "TEXT_KEYS", "Qwen2VLConfig", "read_text_config",
+    "layer_inputs", "merge_image_embeddings",
+    "Qwen2VLTextModel", "Qwen2VLForConditionalGeneration",
+]
+
+# The language model's keys: the release keeps them at the top level, transformers 5 nests them in text_config.
+TEXT_KEYS = KeyAudit(
+    "qwen2_vl text",
+    honored=frozenset({"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+                       "rope_theta", "rope_scaling", "rope_parameters"}),
+    ignored={"attention_dropout": DROPOUT,
+             "sliding_window": "read only under use_sliding_window, which is refused",
+             "max_window_layers": "read only under use_sliding_window, which is refused",
+             "image_token_id": "read from the top level", "video_token_id": "read from the top level",
+             "vision_start_token_id": "read from the top level", "vision_end_token_id": "read from the top level",
+             "vision_token_id": "not read by transformers' Qwen2-VL"},
+    refused={"hidden_act": (("silu",), "SwiGLU is Qwen2's MLP"),
+             "use_sliding_window": ((False, None), "Qwen2 sliding-window layers (no release turns them on)"),
+             "layer_types": ((None, ALL_FULL), "a sliding layer needs use_sliding_window, refused")})
+
+# The top level: the text keys (flat release form) plus the multimodal ones.
+CONFIG_KEYS = KeyAudit(
+    "qwen2_vl",
+    honored=TEXT_KEYS.honored | {"text_config", "vision_config", "image_token_id", "video_token_id",
+                                 "vision_start_token_id"},
+    ignored={**{k: v for k, v in TEXT_KEYS.ignored.items() if k not in {"image_token_id", "video_token_id",
+                                                                          "vision_start_token_id"}},
+             "vision_end_token_id": "closes an image span in the text; positions never read it"},
+    refused=dict(TEXT_KEYS.refused))
+
+
+def read_text_config(d: dict, what: str) -> tuple[Qwen2Config, tuple[int, int, int]]:
+    """The language model's Qwen2Config and the M-RoPE sections from the text keys (either RoPE form: the
+    release's `rope_scaling: {type: mrope, mrope_section}` + `rope_theta`, or transformers 5's
+    `rope_parameters: {rope_type: default, mrope_section, rope_theta}`)."""
+    block = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+    section = block.pop("mrope_section", None)
+    if section is None:
+        raise ConfigError(f"{what}: no mrope_section in the rope block (a Qwen-VL language model rotates by three "
+                          f"position rows)")
+    if block.pop("type", None) == "mrope" or block.get("rope_type") == "mrope":  # the release's name for default
+        block["rope_type"] = "default"
+    head_dim = d["hidden_size"] // d["num_attention_heads"]  # Qwen2-VL's attention ignores any head_dim key
+    table = rope.read_rope({"rope_parameters": block, "rope_theta": d.get("rope_theta"),
+                            "max_position_embeddings": d.get("max_position_embeddings")},
+                           head_dim, default_theta=1_000_000.0, what=what)
+    if len(section) != 3 or 2 * sum(section) != table.dim:
+        raise ConfigError(f"{what}: mrope_section {section} must be three counts covering the {table.dim} rotary "
+                          f"channels twice over")
+    text = Qwen2Config(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+                       intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+                       num_attention_heads=d["num_attention_heads"],
+                       num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+                       head_dim=head_dim, rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope=table,
+                       max_position_embeddings=d.get("max_position_embeddings", 32768),
+                       tie_word_embeddings=bool(d.get("tie_word_embeddings", False)))
+    return text, tuple(int(s) for s in section)
+
+
+@dataclass(frozen=True)
+class Qwen2VLConfig:
+    text: Qwen2Config
+    vision: Qwen2VLVisionConfig
+    mrope_section: tuple[int, int, int]
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "Qwen2VLConfig":
+        """Either layout: the release's flat text keys beside `vision_config`, or transformers 5's `text_config`."""
+        CONFIG_KEYS.check(d)
+        text_d = dict(d.get("text_config") or {k: v for k, v in d.items() if k in TEXT_KEYS.keys})
+        if "text_config" in d:
+            TEXT_KEYS.check({k: v for k, v in text_d.items() if k not in BOOKKEEPING})
+        tie = bool(d.get("tie_word_embeddings", text_d.get("tie_word_embeddings", False)))
+        text_d["tie_word_embeddings"] = tie
+        text, section = read_text_config(text_d, "qwen2_vl config")
+        return cls(text=text, vision=Qwen2VLVisionConfig.from_hf(d["vision_config"]), mrope_section=section,
+                   image_token_id=int(d.get("image_token_id", 151655)), video_token_id=int(d.get("video_token_id", 151656)),
+                   vision_start_token_id=int(d.get("vision_start_token_id", 151652)), tie_word_embeddings=tie)
+
+    @classmethod
+    def from_pretrained(cls, path) -> "Qwen2VLConfig":
+        return cls.from_hf(json.loads((Path(path) / "config.json").read_text()))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text.hidden_size
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.text.num_hidden_layers
+
+    @property
+    def norm_eps(self) -> float:
+        return self.text.rms_norm_eps
+
+
+# ---- operators ------------------------------------------------------------------------------
+
+def layer_inputs(config: Qwen2VLConfig, attention_mask, position_ids) -> LayerInputs:
+    """Causal + padding mask and the M-RoPE cos/sin (position_ids i32[3,B,T]) every layer shares."""
+    cos, sin = mrope.mrope_cos_sin(rope.inv_freq(config.text.rope), position_ids, config.mrope_section,
+                                   interleaved=False)
+    return LayerInputs(causal_mask(attention_mask), cos, sin)
+
+
+def merge_image_embeddings(embeds, input_ids, image_embeds, image_token_id: int):
+    """f32[B,T,D], i32[B,T], f32[n,D] -> f32[B,T,D]: the n image-token rows, in reading order, replaced by the
+    merged patch embeddings (transformers' masked_scatter). The counts are checked where the ids are concrete."""
+    mask = input_ids == image_token_id
+    if not _traced(mask) and int(np.asarray(mask).sum()) != image_embeds.shape[0]:
+        raise ValueError(f"image features and image tokens do not match: {int(np.asarray(mask).sum())} tokens, "
+                         f"{image_embeds.shape[0]} features")
+    B, T, D = embeds.shape
+    order = jnp.clip(jnp.cumsum(mask.reshape(-1)) - 1, 0, image_embeds.shape[0] - 1)  # k-th image token <- row k
+    return jnp.where(mask[..., None], image_embeds[order].reshape(B, T, D).astype(embeds.dtype), embeds)
+
+
+def _traced(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+# ---- modules --------------------------------------------------------------------------------
+
+class Qwen2VLTextModel(nn.Module):
+    """Qwen2's decoder stack under M-RoPE, fed embeddings (the image rows already merged in)."""
+    config: Qwen2VLConfig
+    lora_scaling: float = 2.0
+
+    def setup(self):
+        t = self.config.text
+        self.embed_tokens = nn.Embed(t.vocab_size, t.hidden_size)
+        self.layers = [Qwen2DecoderLayer(t, self.lora_scaling, name=f"layers_{i}") for i in range(t.num_hidden_layers)]
+        self.norm = RMSNorm(t.rms_norm_eps)
+
+    def embed(self, input_ids):  # i32[B,T] -> f32[B,T,D]
+        return self.embed_tokens(input_ids)
+
+    def __call__(self, embeds, inputs: LayerInputs):  # f32[B,T,D] -> f32[B,T,D]
+        for layer in self.layers:
+            embeds = layer(embeds, inputs)
+        return self.norm(embeds)
+
+
+class Qwen2VLForConditionalGeneration(nn.Module):
+    """logits = model.apply({"params": params[, "lora": adapters]}, input_ids, attention_mask, position_ids,
+    pixel_values, image_grid_thw); the release's tree: `model` (language model), `visual` (tower), `lm_head`."""
+    config: Qwen2VLConfig
+    lora_scaling: float = 2.0  # lora_alpha / r, used only where a "lora" collection is given
+
+    def rope_index(self, input_ids, image_grid_thw, attention_mask):  # host numpy -> i64[3,B,T], i64[B,1]
+        c = self.config
+        types = mrope.token_types(input_ids, image_token_id=c.image_token_id, video_token_id=c.video_token_id)
+        return mrope.get_rope_index(input_ids, image_grid_thw, attention_mask, mm_token_type_ids=types,
+                                    spatial_merge_size=c.vision.spatial_merge_size)
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, pixel_values=None, image_grid_thw=None,
+                 return_hidden: bool = False):
+        """input_ids i32[B,T], attention_mask i32[B,T], position_ids i32[3,B,T] (None: the rope index, on the
+        host), pixel_values f32[P, C*2*14*14], image_grid_thw (host) [I,3] -> logits f32[B,T,V]."""
+        c = self.config
+        if attention_mask is None:
+            attention_mask = jnp.ones_like(input_ids)
+        if position_ids is None:
+            if _traced(input_ids) or _traced(attention_mask):
+                raise TypeError("position_ids are needed under jit: the rope index is host numpy "
+                                "(Qwen2VLForConditionalGeneration.rope_index)")
+            position_ids, _ = self.rope_index(np.asarray(input_ids), image_grid_thw, np.asarray(attention_mask))
+        model = Qwen2VLTextModel(c, self.lora_scaling, name="model")
+        embeds = model.embed(input_ids)
+        if pixel_values is not None:
+            image_embeds = Qwen2VisionTransformer(c.vision, name="visual")(pixel_values, image_grid_thw)
+            embeds = merge_image_embeddings(embeds, input_ids, image_embeds, c.image_token_id)
+        hidden = model(embeds, layer_inputs(c, attention_mask, position_ids))
+        if c.tie_word_embeddings:  # Qwen2-VL-2B: the embedding doubles as the output head
+            logits = hidden @ self.variables["params"]["model"]["embed_tokens"]["embedding"].T
+        else:
+            logits = nn.Dense(c.text.vocab_size, use_bias=False, name="lm_head")(hidden)
+        return (logits, hidden) if return_hidden else logits
