@@ -116,10 +116,12 @@ else
 	$(PY) bench/bench_serving.py --family gpt_oss
 endif
 
-assets: venv          ## regenerate the tiny checkpoints, tokenizer and datasets (byte-identical)
+assets: venv          ## regenerate the tiny checkpoints, tokenizer, datasets and images (byte-identical)
 	$(PY) tools/make_tokenizer.py
 	$(PY) tools/make_datasets.py
 	$(PY) tools/make_checkpoints.py
+	$(PY) tools/make_images.py
+	$(PY) tools/make_vl_checkpoints.py
 
 clean-venv:
 	rm -rf .venv $(VENV_V)

@@ -80,13 +80,15 @@ class Family(NamedTuple):  # not a dataclass: tests load this file without regis
 
 
 def _family_rows() -> dict[str, Family]:
-    """Every other family's row, `TOKENIZER` in its tools/checkpoints_<family>.py, read statically (literal only):
+    """Every other family's row, `TOKENIZER` in its tools/checkpoints_<family>.py (or, for a vision-language family
+    whose tasks are not registered yet, its tools/vl_checkpoints_<family>.py), read statically (literal only):
     a new family registers there."""
     rows = {}
-    for path in sorted(Path(__file__).parent.glob("checkpoints_*.py")):
+    tools = Path(__file__).parent
+    for path in sorted([*tools.glob("checkpoints_*.py"), *tools.glob("vl_checkpoints_*.py")]):
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "TOKENIZER" for t in node.targets):
-                rows[path.stem[len("checkpoints_"):]] = Family(**ast.literal_eval(node.value))
+                rows[path.stem.split("checkpoints_", 1)[1]] = Family(**ast.literal_eval(node.value))
     return rows
 
 

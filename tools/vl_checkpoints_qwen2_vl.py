@@ -96,3 +96,14 @@ def make_qwen2_vl(out_dir) -> Path:
                             QWEN2_VL_GENERATION_CONFIG)
 
 
+
+
+# ---- this family's rows in the shared tool tables (found here by name: register once) ----
+
+# tools/make_tokenizer.py: Qwen2-VL's special tokens in the release's order from 400 (tools/make_vl_checkpoints.py
+# VL_SPECIALS, spelled out: the table is read as a literal); the Instruct release: no bos, eos <|im_end|>,
+# pad <|endoftext|>
+TOKENIZER = {"specials": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                          "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+                          "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"),
+             "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}

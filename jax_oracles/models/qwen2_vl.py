@@ -67,6 +67,9 @@ def read_text_config(d: dict, what: str) -> tuple[Qwen2Config, tuple[int, int, i
                           f"position rows)")
     if block.pop("type", None) == "mrope" or block.get("rope_type") == "mrope":  # the release's name for default
         block["rope_type"] = "default"
+    if block.get("rope_type", "default") != "default":  # no Qwen-VL release scales its M-RoPE
+        raise ConfigError(f"{what}: rope_type {block['rope_type']!r} under M-RoPE (only the default table: "
+                          f"transformers would scale cos/sin by the type's attention factor)")
     head_dim = d["hidden_size"] // d["num_attention_heads"]  # Qwen2-VL's attention ignores any head_dim key
     table = rope.read_rope({"rope_parameters": block, "rope_theta": d.get("rope_theta"),
                             "max_position_embeddings": d.get("max_position_embeddings")},
@@ -138,11 +141,11 @@ def layer_inputs(config: Qwen2VLConfig, attention_mask, position_ids) -> LayerIn
     return LayerInputs(causal_mask(attention_mask), cos, sin)
 
 
-def merge_image_embeddings(embeds, input_ids, image_embeds, image_token_id: int):
-    """f32[B,T,D], i32[B,T], f32[n,D] -> f32[B,T,D]: the n image-token rows, in reading order, replaced by the
+def merge_image_embeddings(embeds, input_ids, image_embeds, image_token_id: int, check_count: bool = True):
+    """f32[B,T,D], i32[B,T], f32[n,D] -> f32[B,T,D]: the image-token rows, in reading order, replaced by the
     merged patch embeddings (transformers' masked_scatter). The counts are checked where the ids are concrete."""
     mask = input_ids == image_token_id
-    if not _traced(mask) and int(np.asarray(mask).sum()) != image_embeds.shape[0]:
+    if check_count and not _traced(mask) and int(np.asarray(mask).sum()) != image_embeds.shape[0]:
         raise ValueError(f"image features and image tokens do not match: {int(np.asarray(mask).sum())} tokens, "
                          f"{image_embeds.shape[0]} features")
     B, T, D = embeds.shape
@@ -188,11 +191,23 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         return mrope.get_rope_index(input_ids, image_grid_thw, attention_mask, mm_token_type_ids=types,
                                     spatial_merge_size=c.vision.spatial_merge_size)
 
-    @nn.compact
+    def setup(self):
+        c = self.config
+        self.model = Qwen2VLTextModel(c, self.lora_scaling)
+        self.visual = Qwen2VisionTransformer(c.vision)
+        if not c.tie_word_embeddings:
+            self.lm_head = nn.Dense(c.text.vocab_size, use_bias=False)
+
+    def encode_images(self, pixel_values, image_grid_thw):  # f32[P, C*2*14*14], (host) [I,3] -> f32[P/4, D]
+        """The tower's merged patch embeddings: what replaces the image tokens (frozen under LoRA, so a trainer
+        computes them once per batch, outside its jitted step)."""
+        return self.visual(pixel_values, image_grid_thw)
+
     def __call__(self, input_ids, attention_mask=None, position_ids=None, pixel_values=None, image_grid_thw=None,
-                 return_hidden: bool = False):
+                 return_hidden: bool = False, image_embeds=None):
         """input_ids i32[B,T], attention_mask i32[B,T], position_ids i32[3,B,T] (None: the rope index, on the
-        host), pixel_values f32[P, C*2*14*14], image_grid_thw (host) [I,3] -> logits f32[B,T,V]."""
+        host), pixel_values f32[P, C*2*14*14], image_grid_thw (host) [I,3] (or image_embeds f32[n,D],
+        encode_images' output; rows past the image tokens' count are never read) -> logits f32[B,T,V]."""
         c = self.config
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
@@ -201,14 +216,15 @@ class Qwen2VLForConditionalGeneration(nn.Module):
                 raise TypeError("position_ids are needed under jit: the rope index is host numpy "
                                 "(Qwen2VLForConditionalGeneration.rope_index)")
             position_ids, _ = self.rope_index(np.asarray(input_ids), image_grid_thw, np.asarray(attention_mask))
-        model = Qwen2VLTextModel(c, self.lora_scaling, name="model")
-        embeds = model.embed(input_ids)
+        embeds = self.model.embed(input_ids)
         if pixel_values is not None:
-            image_embeds = Qwen2VisionTransformer(c.vision, name="visual")(pixel_values, image_grid_thw)
+            image_embeds = self.encode_images(pixel_values, image_grid_thw)
             embeds = merge_image_embeddings(embeds, input_ids, image_embeds, c.image_token_id)
-        hidden = model(embeds, layer_inputs(c, attention_mask, position_ids))
+        elif image_embeds is not None:  # padded rows allowed: the count is the caller's
+            embeds = merge_image_embeddings(embeds, input_ids, image_embeds, c.image_token_id, check_count=False)
+        hidden = self.model(embeds, layer_inputs(c, attention_mask, position_ids))
         if c.tie_word_embeddings:  # Qwen2-VL-2B: the embedding doubles as the output head
-            logits = hidden @ self.variables["params"]["model"]["embed_tokens"]["embedding"].T
+            logits = self.model.embed_tokens.attend(hidden)
         else:
-            logits = nn.Dense(c.text.vocab_size, use_bias=False, name="lm_head")(hidden)
+            logits = self.lm_head(hidden)
         return (logits, hidden) if return_hidden else logits

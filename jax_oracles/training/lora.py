@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-__all__ = ["PEFT_PREFIX", "TARGET_ORDER", "LoraConfig", "lora_linear", "lora_target_specs", "init_lora_weights",
+__all__ = ["PEFT_PREFIX", "TARGET_ORDER", "FROZEN_TOWERS", "LoraConfig", "lora_linear", "lora_target_specs", "init_lora_weights",
            "LoraLinear", "inject_lora", "disable_adapter", "load_lora_state_dict", "lora_state_dict", "init_lora_tree",
            "lora_tree_from_state_dict"]
 
@@ -32,6 +32,10 @@ PEFT_PREFIX = "base_model.model."
 TARGET_ORDER = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "o_proj", "dense",
                 "gate_proj", "up_proj", "gate_up_proj", "down_proj", "c_fc", "c_proj", "dense_h_to_4h", "dense_4h_to_h")
 _LAYER = re.compile(r"(.+)_(\d+)")  # a decoder layer's param key: "layers_0", "h_0"
+# LF's forbidden modules of a vision-language model under its defaults (freeze_vision_tower,
+# freeze_multi_modal_projector: `patch_target_modules`): the vision tower with its merger and Omni's audio tower
+# never take adapters, whatever their projections are called (Qwen2.5-VL's tower has a gate_proj too).
+FROZEN_TOWERS = ("visual", "audio_tower")
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,7 @@ def lora_target_specs(params: dict, config: LoraConfig) -> list[tuple[str, int, 
     LF's find_all_linear_modules: every linear kernel but the output head's; "all" or the named modules."""
     specs = []
     for path, leaf in traverse_util.flatten_dict(params).items():
-        if path[-1] != "kernel" or path[0] == "lm_head" or np.ndim(leaf) != 2:
+        if path[-1] != "kernel" or path[0] == "lm_head" or np.ndim(leaf) != 2 or set(path) & set(FROZEN_TOWERS):
             continue
         module = path[:-1]
         if "all" in config.target_modules or module[-1] in config.target_modules:

@@ -110,7 +110,7 @@ def test_pixel_gradient_matches(models):
      * torch.tensor(w)).sum().backward()
     model = jq.Qwen2VLForConditionalGeneration(jq.Qwen2VLConfig.from_pretrained(CKPT))
     positions, _ = model.rope_index(ids, grid, mask)
-    grad = jax.grad(lambda p: jnp.sum(model.apply({"params": params}, ids, mask, positions, p, grid) * w))(pixels)
+    grad = jax.jit(jax.grad(lambda p: jnp.sum(model.apply({"params": params}, ids, mask, positions, p, grid) * w)))(pixels)
     want = px.grad.numpy()
     assert np.abs(want).max() > 1e-3  # the pixels reach the logits
     assert np.abs(np.asarray(grad) - want).max() <= JAX_TOL * np.abs(want).max()
@@ -156,6 +156,7 @@ def test_both_config_forms_read_the_same(tmp_path):
     ({"rope_scaling": {"type": "mrope"}}, "mrope_section"),
     ({"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 4]}}, "mrope_section"),
     ({"not_a_key": 1}, "not_a_key"),
+    ({"rope_scaling": {"type": "yarn", "factor": 2.0, "mrope_section": [2, 3, 3]}}, "rope_type"),
 ])
 def test_refusals(edit, match):
     d = {**json.loads((CKPT / "config.json").read_text()), **edit}
@@ -171,3 +172,31 @@ def test_checkpoint_is_reproducible(tmp_path):
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
     for name in ("config.json", "generation_config.json", "model.safetensors"):
         assert (tmp_path / name).read_bytes() == (CKPT / name).read_bytes(), name
+
+
+def test_tokenizer_ids_are_the_checkpoints():
+    """The shipped tokenizer's special ids are the ones config.json names (the tokenizer row spells the tokens
+    out as a literal; tools/make_vl_checkpoints.py's VL_IDS is what the config takes)."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(ROOT / "assets/tokenizer/qwen2_vl/tokenizer.json"))
+    config = json.loads((CKPT / "config.json").read_text())
+    for key, token in (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+                       ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
+                       ("eos_token_id", "<|im_end|>")):
+        assert tok.token_to_id(token) == config[key], key
+    tokenizer_config = json.loads((ROOT / "assets/tokenizer/qwen2_vl/tokenizer_config.json").read_text())
+    assert (tokenizer_config["eos_token"], tokenizer_config["pad_token"]) == ("<|im_end|>", "<|endoftext|>")
+
+
+def test_lora_targets_the_language_model_only(models):
+    """LF's patch_target_modules under its defaults: adapters on the language model's projections only (the
+    tower, its merger frozen), the same names, shapes and order on both sides."""
+    from jax_oracles.training import lora as jlora
+    from torch_sources.training import lora as tlora
+    _, src, params = models
+    want = [(f"base_model.model.model.layers.{i}.{m}", *s) for i in range(2) for m, s in (
+        ("self_attn.q_proj", (64, 64)), ("self_attn.k_proj", (64, 32)), ("self_attn.v_proj", (64, 32)),
+        ("self_attn.o_proj", (64, 64)), ("mlp.gate_proj", (64, 128)), ("mlp.up_proj", (64, 128)),
+        ("mlp.down_proj", (128, 64)))]
+    assert tlora.lora_target_specs(src, tlora.LoraConfig()) == want
+    assert jlora.lora_target_specs(params, jlora.LoraConfig()) == want

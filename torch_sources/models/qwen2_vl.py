@@ -66,6 +66,9 @@ def read_text_config(d: dict, what: str) -> tuple[Qwen2Config, tuple[int, int, i
                           f"position rows)")
     if block.pop("type", None) == "mrope" or block.get("rope_type") == "mrope":  # the release's name for default
         block["rope_type"] = "default"
+    if block.get("rope_type", "default") != "default":  # no Qwen-VL release scales its M-RoPE
+        raise ConfigError(f"{what}: rope_type {block['rope_type']!r} under M-RoPE (only the default table: "
+                          f"transformers would scale cos/sin by the type's attention factor)")
     head_dim = d["hidden_size"] // d["num_attention_heads"]  # Qwen2-VL's attention ignores any head_dim key
     table = rope.read_rope({"rope_parameters": block, "rope_theta": d.get("rope_theta"),
                             "max_position_embeddings": d.get("max_position_embeddings")},
@@ -137,14 +140,15 @@ def layer_inputs(config: Qwen2VLConfig, attention_mask, position_ids) -> LayerIn
     return LayerInputs(causal_mask(attention_mask), cos, sin)
 
 
-def merge_image_embeddings(embeds, input_ids, image_embeds, image_token_id: int):
+def merge_image_embeddings(embeds, input_ids, image_embeds, image_token_id: int, check_count: bool = True):
     """f32[B,T,D], i64[B,T], f32[n,D] -> f32[B,T,D]: the n image-token rows, in reading order, replaced by the
-    merged patch embeddings (transformers' masked_scatter); the counts must agree."""
+    merged patch embeddings (transformers' masked_scatter); the counts must agree (check_count=False: image_embeds
+    may carry rows past them, never read)."""
     mask = input_ids == image_token_id
-    if int(mask.sum()) != image_embeds.shape[0]:
+    if check_count and int(mask.sum()) != image_embeds.shape[0]:
         raise ValueError(f"image features and image tokens do not match: {int(mask.sum())} tokens, "
                          f"{image_embeds.shape[0]} features")
-    return embeds.masked_scatter(mask[..., None], image_embeds.to(embeds.dtype))
+    return embeds.masked_scatter(mask[..., None], image_embeds[:int(mask.sum())].to(embeds.dtype))
 
 
 # ---- modules --------------------------------------------------------------------------------
@@ -183,19 +187,26 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         return mrope.get_rope_index(input_ids, image_grid_thw, attention_mask, mm_token_type_ids=types,
                                     spatial_merge_size=c.vision.spatial_merge_size)
 
+    def encode_images(self, pixel_values, image_grid_thw):  # f32[P, C*2*14*14], i64[I,3] -> f32[P/4, D]
+        """The tower's merged patch embeddings: what replaces the image tokens (frozen under LoRA, so a trainer
+        may compute them once per batch)."""
+        return self.visual(pixel_values, image_grid_thw)
+
     def forward(self, input_ids, attention_mask=None, position_ids=None, pixel_values=None, image_grid_thw=None,
-                return_hidden: bool = False):
+                return_hidden: bool = False, image_embeds=None):
         """input_ids i64[B,T], attention_mask i64[B,T], position_ids i64[3,B,T] (None: the rope index of the
         batch, as LLaMA-Factory's collator computes it), pixel_values f32[P, C*2*14*14], image_grid_thw
-        i64[I,3] -> logits f32[B,T,V] (and the final hidden states with return_hidden)."""
+        i64[I,3] (or image_embeds f32[n,D], encode_images' output) -> logits f32[B,T,V] (and the final hidden
+        states with return_hidden)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if position_ids is None:
             position_ids, _ = self.rope_index(input_ids, image_grid_thw, attention_mask)
         embeds = self.model.embed_tokens(input_ids)
         if pixel_values is not None:
-            embeds = merge_image_embeddings(embeds, input_ids, self.visual(pixel_values, image_grid_thw),
-                                            self.config.image_token_id)
+            image_embeds = self.encode_images(pixel_values, image_grid_thw)
+        if image_embeds is not None:
+            embeds = merge_image_embeddings(embeds, input_ids, image_embeds, self.config.image_token_id)
         hidden = self.model(embeds, layer_inputs(self.config, attention_mask, position_ids))
         logits = self.lm_head(hidden)
         return (logits, hidden) if return_hidden else logits

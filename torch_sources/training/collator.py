@@ -4,16 +4,29 @@ and its PairwiseDataCollatorWithPadding (every chosen row, then every rejected r
 It is HF DataCollatorForSeq2Seq with the tokenizer's right padding: every row is padded to
 the longest row, rounded up to a multiple of 8 (LF passes pad_to_multiple_of=8 when
 training); input_ids with pad_token_id, attention_mask with 0, labels with -100.
+
+Given a multimodal context (a Qwen-VL template's plugin), each collator is LF's MultiModalDataCollatorForSeq2Seq
+underneath: the rows' images (each feature's "images" paths) are read and regularized in row order, a batch without
+any image gets LF's fake image on row 0 (mm_plugin.add_fake_image: after the tokens here, before them in the
+left-padded prompt batches), and the batch gains pixel_values f32[P, C*T*ps*ps] and image_grid_thw i64[I,3] and,
+given the model's rope_index, position_ids i64[3,B,T] and rope_deltas i64[B,1] of the padded batch (LF's
+_compute_rope_position_ids). Without one, nothing changes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = ["SFTDataCollator", "PairwiseDataCollator", "PromptDataCollator", "pad_features"]
+from .mm_plugin import (MMPlugin, add_fake_image, fake_image, fake_image_input_ids, get_mm_inputs, preprocess_image,
+                        regularize_images)
+from .template import ChatTokenizer
+
+__all__ = ["MultimodalContext", "SFTDataCollator", "PairwiseDataCollator", "PromptDataCollator", "pad_features"]
 
 
 def pad_features(features: list[dict], length: int, pad_token_id: int, label_pad_token_id: int) -> dict[str, np.ndarray]:
@@ -29,27 +42,72 @@ def pad_features(features: list[dict], length: int, pad_token_id: int, label_pad
 
 
 @dataclass(frozen=True)
+class MultimodalContext:
+    """What LF's multimodal collator reads off its template, tokenizer and model."""
+
+    plugin: MMPlugin  # template.mm_plugin
+    tokenizer: ChatTokenizer  # the template-fixed tokenizer: it encodes the fake image's tokens
+    media_dir: str | Path | None = None  # DataArguments.media_dir (LF's default: the dataset dir)
+    # model.rope_index: (input_ids [B,T], image_grid_thw i64[I,3] or None, attention_mask [B,T]) ->
+    # (position_ids i64[3,B,T], rope_deltas i64[B,1]); None: no position_ids (LF without a get_rope_index)
+    rope_index: Callable | None = None
+
+
+def _mm_rows(features: list[dict], mm: MultimodalContext, padding_side: str) -> tuple[list[dict], list, bool]:
+    """(rows, their regularized images in row order, whether the fake image stands in): LF's __call__ up to padding."""
+    if mm.plugin.audio_token is not None:  # Qwen2.5-Omni
+        raise NotImplementedError("LF gives every batch without audio a fake audio (its Whisper features and audio "
+                                  "tokens): not mirrored, so a plugin with an audio token has no collator here")
+    images = [image for f in features for image in regularize_images(f.get("images") or [], mm.media_dir, mm.plugin)]
+    if images:
+        return features, images, False
+    rows = add_fake_image(features, fake_image_input_ids(mm.tokenizer, mm.plugin), padding_side)
+    return rows, [preprocess_image(fake_image(), mm.plugin)], True
+
+
+def _mm_inputs(batch: dict, images: list, fake: bool, mm: MultimodalContext) -> dict[str, torch.Tensor]:
+    """pixel_values, image_grid_thw and (with a rope_index) position_ids, rope_deltas of the padded batch."""
+    pixel_values, image_grid_thw = get_mm_inputs(images, mm.plugin)
+    out = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
+    if mm.rope_index is not None:
+        # transformers' get_rope_index takes a grid per image-token run it meets and never meets the fake image's
+        # (masked) tokens; mrope.get_rope_index checks that every grid given is placed, so it gets none then
+        out["position_ids"], out["rope_deltas"] = mm.rope_index(batch["input_ids"], None if fake else image_grid_thw,
+                                                                batch["attention_mask"])
+    return out
+
+
+@dataclass(frozen=True)
 class SFTDataCollator:
     pad_token_id: int
     label_pad_token_id: int = -100
     pad_to_multiple_of: int | None = 8
     pad_to_length: int | None = None  # a fixed length instead (static shapes; the JAX twin uses it)
+    mm: MultimodalContext | None = None  # a vision-language template's
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        """[dict(input_ids, attention_mask, labels)] -> dict of int64 tensors [B, T]."""
+        """[dict(input_ids, attention_mask, labels[, images])] -> dict of int64 tensors [B, T] (+ the mm inputs)."""
+        if self.mm is not None:
+            features, images, fake = _mm_rows(features, self.mm, "right")
         length = self.pad_to_length or max(len(f["input_ids"]) for f in features)
         if self.pad_to_length is None and self.pad_to_multiple_of:
             length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
         batch = pad_features(features, length, self.pad_token_id, self.label_pad_token_id)
-        return {key: torch.from_numpy(value) for key, value in batch.items()}
+        batch = {key: torch.from_numpy(value) for key, value in batch.items()}
+        if self.mm is not None:
+            batch.update(_mm_inputs(batch, images, fake, self.mm))
+        return batch
 
 
 @dataclass(frozen=True)
 class PairwiseDataCollator(SFTDataCollator):
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        """[dict(chosen_*, rejected_*)] of N pairs -> dict of int64 tensors [2N, T]: rows 0..N-1 chosen."""
+        """[dict(chosen_*, rejected_*[, images])] of N pairs -> dict of int64 tensors [2N, T]: rows 0..N-1 chosen
+        (with images, each pair's images come twice: every chosen row's, then every rejected row's)."""
         rows = [{field: f[f"{key}_{field}"] for field in ("input_ids", "attention_mask", "labels")}
                 for key in ("chosen", "rejected") for f in features]
+        if self.mm is not None:
+            rows = [{**row, "images": f.get("images")} for row, f in zip(rows, features + features)]
         return super().__call__(rows)
 
 
@@ -60,14 +118,21 @@ class PromptDataCollator:
 
     pad_token_id: int
     pad_to_length: int | None = None  # a fixed width instead (static shapes)
+    mm: MultimodalContext | None = None  # a vision-language template's
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        """[dict(input_ids, ...)] -> dict(input_ids, attention_mask) of int arrays [B, T], left-padded."""
+        """[dict(input_ids, ...[, images])] -> dict(input_ids, attention_mask) of int arrays [B, T], left-padded
+        (+ the mm inputs)."""
+        if self.mm is not None:
+            features, images, fake = _mm_rows(features, self.mm, "left")
         length = self.pad_to_length or max(len(f["input_ids"]) for f in features)
         out = {"input_ids": np.full((len(features), length), self.pad_token_id, np.int64),
                "attention_mask": np.zeros((len(features), length), np.int64)}
         for i, f in enumerate(features):
             k = len(f["input_ids"])
             out["input_ids"][i, length - k:] = f["input_ids"]
-            out["attention_mask"][i, length - k:] = 1
-        return {key: torch.from_numpy(value) for key, value in out.items()}
+            out["attention_mask"][i, length - k:] = 1 if self.mm is None else f["attention_mask"]  # fake image: 0
+        out = {key: torch.from_numpy(value) for key, value in out.items()}
+        if self.mm is not None:
+            out.update(_mm_inputs(out, images, fake, self.mm))
+        return out

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PEFT_PREFIX", "TARGET_ORDER", "LoraConfig", "lora_linear", "lora_target_specs", "init_lora_weights",
+__all__ = ["PEFT_PREFIX", "TARGET_ORDER", "FROZEN_TOWERS", "LoraConfig", "lora_linear", "lora_target_specs", "init_lora_weights",
            "LoraLinear", "inject_lora", "disable_adapter", "load_lora_state_dict", "lora_state_dict"]
 
 PEFT_PREFIX = "base_model.model."
@@ -29,6 +29,10 @@ PEFT_PREFIX = "base_model.model."
 TARGET_ORDER = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "o_proj", "dense",
                 "gate_proj", "up_proj", "gate_up_proj", "down_proj", "c_fc", "c_proj", "dense_h_to_4h", "dense_4h_to_h")
 _IN_LAYER = re.compile(r"(.+?)\.(\d+)\.(.+)")  # "<layers path>.<index>.<module path in the layer>"
+# LF's forbidden modules of a vision-language model under its defaults (freeze_vision_tower,
+# freeze_multi_modal_projector: `patch_target_modules`): the vision tower with its merger and Omni's audio tower
+# never take adapters, whatever their projections are called (Qwen2.5-VL's tower has a gate_proj too).
+FROZEN_TOWERS = ("visual", "audio_tower")
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,8 @@ def lora_target_specs(model: nn.Module, config: LoraConfig) -> list[tuple[str, i
     specs = []
     for name, module in model.named_modules():
         if (isinstance(module, LoraLinear) or not isinstance(module, nn.Linear) or name.split(".")[0] == "lm_head"
-                or name.rsplit(".", 1)[-1] in ("lora_A", "lora_B")):  # an injected adapter's own matrices
+                or name.rsplit(".", 1)[-1] in ("lora_A", "lora_B")  # an injected adapter's own matrices
+                or set(name.split(".")) & set(FROZEN_TOWERS)):
             continue
         if "all" in config.target_modules or name.rsplit(".", 1)[-1] in config.target_modules:
             if name.endswith(".base_layer"):

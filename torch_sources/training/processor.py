@@ -13,10 +13,16 @@ response, so both responses are cut to the same length; labels are -100 over the
 A template with efficient_eos (falcon) has no eos in its assistant slot: every processor appends the
 eos to the response (supervised: once, after the last turn, and turn i > 0's first prompt label is
 the eos, standing for the eos the previous response never got; train_on_prompt is refused).
+
+Images (LF's alpaca `images` column: paths, resolved against `media_dir`): a template with an mm plugin expands
+each `<image>` to its image tokens before encoding, so they count against cutoff_len, and the feature keeps the
+paths as the row gives them (`"images"`) for the collator; a template without one refuses images, and its features
+have no `"images"` key.
 """
 
 from __future__ import annotations
 
+from .mm_plugin import process_messages, regularize_images
 from .template import alpaca_to_messages
 
 __all__ = ["IGNORE_INDEX", "infer_seqlen", "preprocess_supervised_example", "preprocess_supervised_dataset",
@@ -80,9 +86,22 @@ def _efficient_eos_id(tokenizer, template) -> int | None:
     return tokenizer.eos_token_id if template.efficient_eos else None
 
 
+def _expand_images(messages: list[dict], paths: list[str], template, media_dir) -> list[dict]:
+    """mm_plugin.process_messages on the example's images; without a plugin (LF's base plugin) any image is
+    refused before it is read."""
+    plugin = template.mm_plugin
+    images = paths if plugin is None else regularize_images(paths, media_dir, plugin)
+    return process_messages(messages, images, plugin)
+
+
+def _with_images(feature: dict, paths: list[str], template) -> dict:
+    return feature if template.mm_plugin is None else {**feature, "images": paths}
+
+
 def preprocess_supervised_dataset(examples: list[dict], tokenizer, template, cutoff_len: int,
-                                  train_on_prompt: bool = False, mask_history: bool = False) -> list[dict]:
-    """Alpaca rows -> [dict(input_ids, attention_mask, labels)] (lists of ints, unpadded)."""
+                                  train_on_prompt: bool = False, mask_history: bool = False,
+                                  media_dir=None) -> list[dict]:
+    """Alpaca rows -> [dict(input_ids, attention_mask, labels[, images])] (lists of ints, unpadded)."""
     if train_on_prompt and template.efficient_eos:  # LF's get_template_and_fix_tokenizer refuses it
         raise ValueError("Current template does not support `train_on_prompt`.")
     # a reasoning template keeps only the last turn's thought under mask_history
@@ -92,11 +111,14 @@ def preprocess_supervised_dataset(examples: list[dict], tokenizer, template, cut
         messages = alpaca_to_messages(example)
         if len(messages) % 2 != 0:  # LF drops rows without (odd prompt, one response)
             continue
+        paths = list(example.get("images") or [])
+        messages = _expand_images(messages, paths, template, media_dir)
         pairs = template.encode_multiturn(tokenizer, messages, example.get("system") or None,
                                           discarding_history_cot)
         input_ids, labels = preprocess_supervised_example(
             pairs, cutoff_len, train_on_prompt, mask_history, _efficient_eos_id(tokenizer, template))
-        features.append({"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels})
+        features.append(_with_images({"input_ids": input_ids, "attention_mask": [1] * len(input_ids),
+                                      "labels": labels}, paths, template))
     return features
 
 
@@ -113,20 +135,23 @@ def preprocess_pairwise_example(prompt_ids: list[int], chosen_ids: list[int], re
     return out
 
 
-def preprocess_pairwise_dataset(examples: list[dict], tokenizer, template, cutoff_len: int) -> list[dict]:
-    """Alpaca preference rows (instruction, input, chosen, rejected[, history, system]) ->
-    [dict(chosen_input_ids, chosen_attention_mask, chosen_labels, rejected_*)] (unpadded lists)."""
+def preprocess_pairwise_dataset(examples: list[dict], tokenizer, template, cutoff_len: int,
+                                media_dir=None) -> list[dict]:
+    """Alpaca preference rows (instruction, input, chosen, rejected[, history, system, images]) ->
+    [dict(chosen_input_ids, chosen_attention_mask, chosen_labels, rejected_*[, images])] (unpadded lists)."""
     features = []
     for example in examples:
         prompt = alpaca_to_messages({**example, "output": ""})[:-1]
         if len(prompt) % 2 != 1 or not all(isinstance(example.get(k), str) for k in ("chosen", "rejected")):
             continue  # LF's converter gives a row without two string responses none, and the processor drops it
         system = example.get("system") or None
-        encoded = [template.encode_oneturn(tokenizer, prompt + [{"role": "assistant", "content": example[key]}],
-                                           system) for key in ("chosen", "rejected")]
+        paths = list(example.get("images") or [])
+        encoded = [template.encode_oneturn(tokenizer, _expand_images(
+            prompt + [{"role": "assistant", "content": example[key]}], paths, template, media_dir), system)
+            for key in ("chosen", "rejected")]  # LF expands each (prompt, response) on its own
         eos = [tokenizer.eos_token_id] if template.efficient_eos else []  # appended before the cut, as in LF
-        features.append(preprocess_pairwise_example(encoded[0][0], encoded[0][1] + eos, encoded[1][1] + eos,
-                                                    cutoff_len))
+        features.append(_with_images(preprocess_pairwise_example(encoded[0][0], encoded[0][1] + eos,
+                                                                 encoded[1][1] + eos, cutoff_len), paths, template))
     return features
 
 
@@ -138,16 +163,20 @@ def preprocess_unsupervised_example(prompt_ids: list[int], response_ids: list[in
             "labels": response_ids[:target_len]}
 
 
-def preprocess_unsupervised_dataset(examples: list[dict], tokenizer, template, cutoff_len: int) -> list[dict]:
-    """Alpaca rows -> [dict(input_ids, attention_mask, labels)]: the prompt through the assistant header (a
-    response of one message is encoded as the label, none as an empty assistant turn), unpadded lists."""
+def preprocess_unsupervised_dataset(examples: list[dict], tokenizer, template, cutoff_len: int,
+                                    media_dir=None) -> list[dict]:
+    """Alpaca rows -> [dict(input_ids, attention_mask, labels[, images])]: the prompt through the assistant header
+    (a response of one message is encoded as the label, none as an empty assistant turn), unpadded lists."""
     features = []
     for example in examples:
         messages = alpaca_to_messages(example)
         if len(messages) % 2 != 0:
             continue
+        paths = list(example.get("images") or [])
+        messages = _expand_images(messages, paths, template, media_dir)
         prompt_ids, response_ids = template.encode_oneturn(tokenizer, messages, example.get("system") or None)
         if template.efficient_eos:  # the label gets the eos the assistant slot lacks (before the cut)
             response_ids = response_ids + [tokenizer.eos_token_id]
-        features.append(preprocess_unsupervised_example(prompt_ids, response_ids, cutoff_len))
+        features.append(_with_images(preprocess_unsupervised_example(prompt_ids, response_ids, cutoff_len), paths,
+                                     template))
     return features

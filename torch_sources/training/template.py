@@ -13,6 +13,8 @@ tokenizer's bos / eos id (nothing when it has none). E.g. llama3:
 every assistant slot, so it is labelled. `efficient_eos` (falcon) leaves the eos out of the
 assistant slot; the processors append it. Llama2Template (mistral) merges the system text into
 the first user message; ReasoningTemplate (qwen3) adds an empty thought to a response that has none.
+The Qwen-VL templates carry an `mm_plugin` (training/mm_plugin.py): the processors expand each `<image>`
+to its image tokens before encoding; every text template has none.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tokenizers import Tokenizer
+
+from torch_sources.models.vision_processing import QwenImageProcessorConfig
+
+from .mm_plugin import MMPlugin
 
 __all__ = ["ChatTokenizer", "load_tokenizer", "BOS_TOKEN", "EOS_TOKEN", "Template", "Llama2Template",
            "ReasoningTemplate", "TEMPLATES", "register_template", "get_template", "alpaca_to_messages"]
@@ -130,6 +136,7 @@ class Template:
     replace_eos: bool = False
     enable_thinking: bool | None = True  # DataArguments.enable_thinking's default; LF copies it in
     preserve_thinking: bool = False  # DataArguments.preserve_thinking's default
+    mm_plugin: MMPlugin | None = None  # LF's get_mm_plugin(...) of a vision-language template (None: LF's base)
 
     def fix_special_tokens(self, tokenizer: ChatTokenizer) -> ChatTokenizer:
         """Template.fix_special_tokens: eos := first stop word (replace_eos); an eos-less tokenizer gets
@@ -319,6 +326,42 @@ register_template(
     stop_words=("<|im_end|>",),
     replace_eos=True,
     template_class=ReasoningTemplate,
+)
+
+
+# LF's Qwen-VL templates (the qwen slots), each with its plugin: the tokens LF's register_template gives it and the
+# image processor of the release's preprocessor_config.json
+_QWEN_SLOTS = dict(
+    format_user=("<|im_start|>user\n{{content}}<|im_end|>\n<|im_start|>assistant\n",),
+    format_assistant=("{{content}}<|im_end|>\n",),
+    format_system=("<|im_start|>system\n{{content}}<|im_end|>\n",),
+    stop_words=("<|im_end|>",),
+    replace_eos=True,
+)
+
+register_template(
+    "qwen2_vl",
+    default_system="You are a helpful assistant.",
+    mm_plugin=MMPlugin("qwen2_vl", image_token="<|image_pad|>", video_token="<|video_pad|>",
+                       image_processor=QwenImageProcessorConfig.qwen2_vl()),
+    **_QWEN_SLOTS,
+)
+
+register_template(
+    "qwen3_vl",
+    mm_plugin=MMPlugin("qwen3_vl", image_token="<|image_pad|>", video_token="<|video_pad|>",
+                       image_processor=QwenImageProcessorConfig.qwen3_vl()),
+    template_class=ReasoningTemplate,
+    **_QWEN_SLOTS,
+)
+
+register_template(
+    "qwen2_omni",
+    default_system="You are a helpful assistant.",
+    mm_plugin=MMPlugin("qwen2_omni", image_token="<|IMAGE|>", video_token="<|VIDEO|>", audio_token="<|AUDIO|>",
+                       vision_bos_token="<|vision_bos|>", vision_eos_token="<|vision_eos|>",
+                       image_processor=QwenImageProcessorConfig.qwen2_vl()),
+    **_QWEN_SLOTS,
 )
 
 

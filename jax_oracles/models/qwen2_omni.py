@@ -1,0 +1,206 @@
+"""Qwen2.5-Omni's thinker in Flax Linen: the torch-free twin of torch_sources/models/qwen2_omni.py.
+
+A Qwen2 language model (models/qwen2.py blocks, Qwen2-VL's stack) under M-RoPE (models/mrope.py, the thinker's
+own rope index), fed by the Qwen2.5-VL tower with separate q/k/v (models/vision.py); the audio encoder
+(models/audio.py) is built and runnable alone (`audio_features`). Same public names in the same order; params
+named after the checkpoint without its `thinker.` prefix (`model/...`, `visual/...`, `audio_tower/...`,
+`lm_head`; see conversion/qwen2_omni.py). The image grid and the audio lengths are static host data; the rope
+index is host numpy too (data-dependent), so a jitted caller passes position_ids. The module is written with
+setup so that the audio tower has its own entry point: `model.apply(variables, feats, lens,
+method="audio_features")`; `model.init` through `__call__` declares no audio params (conversion declares them
+through both entry points).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_oracles.models import mrope
+from jax_oracles.models.audio import Qwen2_5OmniAudioConfig, Qwen2_5OmniAudioEncoder
+from jax_oracles.models.config_keys import ALL_FULL, DROPOUT, ConfigError, KeyAudit
+from jax_oracles.models.qwen2 import Qwen2Config
+from jax_oracles.models.qwen2_vl import Qwen2VLTextModel, layer_inputs, merge_image_embeddings, read_text_config
+from jax_oracles.models.vision import Qwen2_5VisionTransformer, Qwen2_5VLVisionConfig
+
+__all__ = [
+    "CONFIG_KEYS", "TEXT_KEYS", "WRAPPER_KEYS", "Qwen2OmniConfig",
+    "layer_inputs", "merge_image_embeddings", "refuse_audio_video",
+    "Qwen2OmniThinkerTextModel", "Qwen2OmniThinkerForConditionalGeneration",
+]
+
+# text_config (Qwen2_5OmniTextConfig): Qwen2's keys under M-RoPE
+TEXT_KEYS = KeyAudit(
+    "qwen2_5_omni text",
+    honored=frozenset({"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "rms_norm_eps", "max_position_embeddings",
+                       "rope_theta", "rope_scaling", "rope_parameters"}),
+    ignored={"attention_dropout": DROPOUT,
+             "sliding_window": "read only under use_sliding_window, which is refused",
+             "max_window_layers": "read only under use_sliding_window, which is refused",
+             "tie_word_embeddings": "transformers 5.24 ties the thinker's head by the thinker-level key, not this one"},
+    refused={"hidden_act": (("silu",), "SwiGLU is Qwen2's MLP"),
+             "use_sliding_window": ((False, None), "Qwen2 sliding-window layers (no release turns them on)"),
+             "layer_types": ((None, ALL_FULL), "a sliding layer needs use_sliding_window, refused")})
+
+# thinker_config (Qwen2_5OmniThinkerConfig); the *_token_id spellings are transformers' attribute_map aliases
+_IDS = ("image_token_index", "image_token_id", "video_token_index", "video_token_id", "audio_token_index",
+        "audio_token_id", "vision_start_token_id", "audio_start_token_id")
+CONFIG_KEYS = KeyAudit(
+    "qwen2_5_omni thinker",
+    honored=frozenset({"text_config", "vision_config", "audio_config", "tie_word_embeddings", *_IDS}),
+    ignored={"vision_end_token_id": "closes an image span in the text; the rope index never reads it",
+             "audio_end_token_id": "closes an audio span in the text; the rope index never reads it",
+             "vision_token_id": "not read by transformers' thinker",
+             "user_token_id": "read by the talker (speech output), not the thinker",
+             "position_id_per_seconds": "scales the temporal positions of videos, audio and multi-frame grids, "
+                                        "all refused (a still image's single frame sits at 0)",
+             "seconds_per_chunk": "interleaves audio-in-video positions, refused"})
+
+# the wrapper (Qwen2_5OmniConfig): the thinker plus the speech-output modules this source does not build
+WRAPPER_KEYS = KeyAudit(
+    "qwen2_5_omni",
+    honored=frozenset({"thinker_config"}),
+    ignored={"enable_audio_output": "builds the talker and token2wav (speech output); the thinker's logits "
+                                    "do not depend on it",
+             "talker_config": "the talker (speech output), not built here",
+             "token2wav_config": "the token-to-waveform model (speech output), not built here"})
+
+
+@dataclass(frozen=True)
+class Qwen2OmniConfig:
+    text: Qwen2Config
+    vision: Qwen2_5VLVisionConfig
+    audio: Qwen2_5OmniAudioConfig
+    mrope_section: tuple[int, int, int]
+    image_token_id: int
+    video_token_id: int
+    audio_token_id: int
+    vision_start_token_id: int
+    audio_start_token_id: int
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "Qwen2OmniConfig":
+        """The wrapper's config.json (model_type qwen2_5_omni, the thinker under `thinker_config`) or a bare
+        thinker config (qwen2_5_omni_thinker); every key of the wrapper, the thinker and its sub-configs
+        accounted for."""
+        if "thinker_config" in d:
+            WRAPPER_KEYS.check(d)
+            d = d["thinker_config"]
+        CONFIG_KEYS.check(d)
+        missing = [k for k in ("text_config", "vision_config", "audio_config", "vision_start_token_id") if k not in d]
+        if missing:
+            raise ConfigError(f"qwen2_5_omni thinker config: no {missing} (transformers would build the 7B "
+                              f"defaults or, for vision_start_token_id, fail in its rope index)")
+        TEXT_KEYS.check(d["text_config"])
+        tie = bool(d.get("tie_word_embeddings", False))
+        text, section = read_text_config({**d["text_config"], "tie_word_embeddings": tie}, "qwen2_5_omni config")
+        # the thinker always builds Omni's encoder (separate q/k/v), whatever model_type the dict names
+        vision = dataclasses.replace(Qwen2_5VLVisionConfig.from_hf(d["vision_config"]), separate_qkv=True)
+
+        def token(name: str, default: int) -> int:
+            return int(d.get(f"{name}_token_index", d.get(f"{name}_token_id", default)))
+        return cls(text=text, vision=vision, audio=Qwen2_5OmniAudioConfig.from_hf(d["audio_config"]),
+                   mrope_section=section, image_token_id=token("image", 151655), video_token_id=token("video", 151656),
+                   audio_token_id=token("audio", 151646), vision_start_token_id=int(d["vision_start_token_id"]),
+                   audio_start_token_id=int(d.get("audio_start_token_id", 151647)), tie_word_embeddings=tie)
+
+    @classmethod
+    def from_pretrained(cls, path) -> "Qwen2OmniConfig":
+        return cls.from_hf(json.loads((Path(path) / "config.json").read_text()))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text.hidden_size
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.text.num_hidden_layers
+
+    @property
+    def norm_eps(self) -> float:
+        return self.text.rms_norm_eps
+
+
+# ---- operators ------------------------------------------------------------------------------
+
+def refuse_audio_video(input_ids, config: Qwen2OmniConfig) -> None:
+    """The forward places images only: refuse audio / video placeholders and the audio start token (checked
+    where the ids are concrete; under jit the host-side rope index has already checked them)."""
+    if isinstance(input_ids, jax.core.Tracer):
+        return
+    ids = np.asarray(input_ids)
+    for what, tok in (("audio", config.audio_token_id), ("audio start", config.audio_start_token_id),
+                      ("video", config.video_token_id)):
+        if (ids == tok).any():
+            raise ValueError(f"{what} token {tok} in input_ids: this thinker forward places images only (audio "
+                             f"and video inputs are out of scope; audio_features runs the audio tower alone)")
+
+
+# ---- modules --------------------------------------------------------------------------------
+
+Qwen2OmniThinkerTextModel = Qwen2VLTextModel  # the same decoder stack (`model/...`): Qwen2 blocks under M-RoPE
+
+
+class Qwen2OmniThinkerForConditionalGeneration(nn.Module):
+    """logits = model.apply({"params": params[, "lora": adapters]}, input_ids, attention_mask, position_ids,
+    pixel_values, image_grid_thw); the checkpoint's thinker tree: `model`, `visual`, `audio_tower`, `lm_head`."""
+    config: Qwen2OmniConfig
+    lora_scaling: float = 2.0  # lora_alpha / r, used only where a "lora" collection is given
+
+    def setup(self):
+        c = self.config
+        self.model = Qwen2OmniThinkerTextModel(c, self.lora_scaling)
+        self.visual = Qwen2_5VisionTransformer(c.vision)
+        self.audio_tower = Qwen2_5OmniAudioEncoder(c.audio)
+        if not c.tie_word_embeddings:
+            self.lm_head = nn.Dense(c.text.vocab_size, use_bias=False)
+
+    def rope_index(self, input_ids, image_grid_thw, attention_mask):  # host numpy -> i64[3,B,T], i64[B,1]
+        c = self.config
+        return mrope.get_rope_index_omni(
+            input_ids, image_grid_thw, attention_mask, image_token_id=c.image_token_id,
+            vision_start_token_id=c.vision_start_token_id, video_token_id=c.video_token_id,
+            audio_token_id=c.audio_token_id, audio_start_token_id=c.audio_start_token_id,
+            spatial_merge_size=c.vision.spatial_merge_size)
+
+    def audio_features(self, input_features, feature_lens):
+        """The audio tower alone: input_features f32[mel, F] (every audio's frames concatenated), feature_lens
+        (host) [A] -> f32[sum of audio.audio_output_lengths(feature_lens), output_dim]."""
+        return self.audio_tower(input_features, feature_lens)
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, pixel_values=None, image_grid_thw=None,
+                 return_hidden: bool = False):
+        """input_ids i32[B,T], attention_mask i32[B,T], position_ids i32[3,B,T] (None: the thinker's rope index,
+        on the host), pixel_values f32[P, C*2*14*14], image_grid_thw (host) [I,3] -> logits f32[B,T,V]."""
+        c = self.config
+        refuse_audio_video(input_ids, c)
+        if attention_mask is None:
+            attention_mask = jnp.ones_like(input_ids)
+        if position_ids is None:
+            if isinstance(input_ids, jax.core.Tracer) or isinstance(attention_mask, jax.core.Tracer):
+                raise TypeError("position_ids are needed under jit: the rope index is host numpy "
+                                "(Qwen2OmniThinkerForConditionalGeneration.rope_index)")
+            position_ids, _ = self.rope_index(np.asarray(input_ids), image_grid_thw, np.asarray(attention_mask))
+        embeds = self.model.embed(input_ids)
+        if pixel_values is not None:
+            embeds = merge_image_embeddings(embeds, input_ids, self.visual(pixel_values, image_grid_thw),
+                                            c.image_token_id)
+        hidden = self.model(embeds, layer_inputs(c, attention_mask, position_ids))
+        if c.tie_word_embeddings:  # the embedding doubles as the output head
+            logits = hidden @ self.variables["params"]["model"]["embed_tokens"]["embedding"].T
+        else:
+            logits = self.lm_head(hidden)
+        return (logits, hidden) if return_hidden else logits

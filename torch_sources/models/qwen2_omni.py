@@ -1,0 +1,226 @@
+"""Qwen2.5-Omni's thinker in pure PyTorch, eager fp32: the reference the JAX twin is held against.
+
+transformers' Qwen2_5OmniThinkerForConditionalGeneration is Qwen2-VL's recipe with Omni's parts: a Qwen2
+language model (biased q/k/v) under M-RoPE in contiguous t | h | w sections, fed by the Qwen2.5-VL tower with
+separate q/k/v (windowed blocks, RMSNorm, gated MLP; models/vision.py) and by an audio encoder
+(models/audio.py). What is the thinker's own: its config (nested under the wrapper's `thinker_config`, token
+ids named `*_token_index`), its rope index (models/mrope.py `get_rope_index_omni`: images found from token ids,
+blocks chained at the previous largest position + 1, pads at position 1, a text-only batch on its own path),
+an untied head by default (the head ties only by the thinker-level `tie_word_embeddings`), and the checkpoint
+names `thinker.model.*`, `thinker.visual.*`, `thinker.audio_tower.*`, `thinker.lm_head.weight`.
+
+Scope: the model forward places images only; audio and video inputs (and their tokens) are refused. The audio
+tower is built, loaded and runnable on its own (`audio_features`), the benchmark checking its output's
+presence and shape. Without an attention_mask the forward takes every token as real and still places the
+images by the rope index; transformers' thinker then skips its rope index (0..T-1 on all three rows), a path
+no collator or generate call takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from torch_sources.models import mrope
+from torch_sources.models.audio import Qwen2_5OmniAudioConfig, Qwen2_5OmniAudioEncoder
+from torch_sources.models.config_keys import ALL_FULL, DROPOUT, ConfigError, KeyAudit
+from torch_sources.models.loading import iter_tensors, load_config
+from torch_sources.models.qwen2 import Qwen2Config
+from torch_sources.models.qwen2_vl import Qwen2VLTextModel, layer_inputs, merge_image_embeddings, read_text_config
+from torch_sources.models.vision import Qwen2_5VisionTransformer, Qwen2_5VLVisionConfig
+
+__all__ = [
+    "CONFIG_KEYS", "TEXT_KEYS", "WRAPPER_KEYS", "Qwen2OmniConfig", "thinker_state",
+    "layer_inputs", "merge_image_embeddings", "refuse_audio_video",
+    "Qwen2OmniThinkerTextModel", "Qwen2OmniThinkerForConditionalGeneration",
+]
+
+# text_config (Qwen2_5OmniTextConfig): Qwen2's keys under M-RoPE
+TEXT_KEYS = KeyAudit(
+    "qwen2_5_omni text",
+    honored=frozenset({"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "rms_norm_eps", "max_position_embeddings",
+                       "rope_theta", "rope_scaling", "rope_parameters"}),
+    ignored={"attention_dropout": DROPOUT,
+             "sliding_window": "read only under use_sliding_window, which is refused",
+             "max_window_layers": "read only under use_sliding_window, which is refused",
+             "tie_word_embeddings": "transformers 5.24 ties the thinker's head by the thinker-level key, not this one"},
+    refused={"hidden_act": (("silu",), "SwiGLU is Qwen2's MLP"),
+             "use_sliding_window": ((False, None), "Qwen2 sliding-window layers (no release turns them on)"),
+             "layer_types": ((None, ALL_FULL), "a sliding layer needs use_sliding_window, refused")})
+
+# thinker_config (Qwen2_5OmniThinkerConfig); the *_token_id spellings are transformers' attribute_map aliases
+_IDS = ("image_token_index", "image_token_id", "video_token_index", "video_token_id", "audio_token_index",
+        "audio_token_id", "vision_start_token_id", "audio_start_token_id")
+CONFIG_KEYS = KeyAudit(
+    "qwen2_5_omni thinker",
+    honored=frozenset({"text_config", "vision_config", "audio_config", "tie_word_embeddings", *_IDS}),
+    ignored={"vision_end_token_id": "closes an image span in the text; the rope index never reads it",
+             "audio_end_token_id": "closes an audio span in the text; the rope index never reads it",
+             "vision_token_id": "not read by transformers' thinker",
+             "user_token_id": "read by the talker (speech output), not the thinker",
+             "position_id_per_seconds": "scales the temporal positions of videos, audio and multi-frame grids, "
+                                        "all refused (a still image's single frame sits at 0)",
+             "seconds_per_chunk": "interleaves audio-in-video positions, refused"})
+
+# the wrapper (Qwen2_5OmniConfig): the thinker plus the speech-output modules this source does not build
+WRAPPER_KEYS = KeyAudit(
+    "qwen2_5_omni",
+    honored=frozenset({"thinker_config"}),
+    ignored={"enable_audio_output": "builds the talker and token2wav (speech output); the thinker's logits "
+                                    "do not depend on it",
+             "talker_config": "the talker (speech output), not built here",
+             "token2wav_config": "the token-to-waveform model (speech output), not built here"})
+
+
+@dataclass(frozen=True)
+class Qwen2OmniConfig:
+    text: Qwen2Config
+    vision: Qwen2_5VLVisionConfig
+    audio: Qwen2_5OmniAudioConfig
+    mrope_section: tuple[int, int, int]
+    image_token_id: int
+    video_token_id: int
+    audio_token_id: int
+    vision_start_token_id: int
+    audio_start_token_id: int
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "Qwen2OmniConfig":
+        """The wrapper's config.json (model_type qwen2_5_omni, the thinker under `thinker_config`) or a bare
+        thinker config (qwen2_5_omni_thinker); every key of the wrapper, the thinker and its sub-configs
+        accounted for."""
+        if "thinker_config" in d:
+            WRAPPER_KEYS.check(d)
+            d = d["thinker_config"]
+        CONFIG_KEYS.check(d)
+        missing = [k for k in ("text_config", "vision_config", "audio_config", "vision_start_token_id") if k not in d]
+        if missing:
+            raise ConfigError(f"qwen2_5_omni thinker config: no {missing} (transformers would build the 7B "
+                              f"defaults or, for vision_start_token_id, fail in its rope index)")
+        TEXT_KEYS.check(d["text_config"])
+        tie = bool(d.get("tie_word_embeddings", False))
+        text, section = read_text_config({**d["text_config"], "tie_word_embeddings": tie}, "qwen2_5_omni config")
+        # the thinker always builds Omni's encoder (separate q/k/v), whatever model_type the dict names
+        vision = dataclasses.replace(Qwen2_5VLVisionConfig.from_hf(d["vision_config"]), separate_qkv=True)
+
+        def token(name: str, default: int) -> int:
+            return int(d.get(f"{name}_token_index", d.get(f"{name}_token_id", default)))
+        return cls(text=text, vision=vision, audio=Qwen2_5OmniAudioConfig.from_hf(d["audio_config"]),
+                   mrope_section=section, image_token_id=token("image", 151655), video_token_id=token("video", 151656),
+                   audio_token_id=token("audio", 151646), vision_start_token_id=int(d["vision_start_token_id"]),
+                   audio_start_token_id=int(d.get("audio_start_token_id", 151647)), tie_word_embeddings=tie)
+
+    @classmethod
+    def from_pretrained(cls, path) -> "Qwen2OmniConfig":
+        return cls.from_hf(load_config(path))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text.hidden_size
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.text.num_hidden_layers
+
+    @property
+    def norm_eps(self) -> float:
+        return self.text.rms_norm_eps
+
+
+def thinker_state(named_tensors):
+    """(HF name, tensor) pairs -> {thinker-relative name: tensor}: `thinker.` stripped, the speech-output modules
+    (`talker.*`, `token2wav.*`, present when enable_audio_output) dropped as transformers' thinker drops them;
+    any other name is refused."""
+    state = {}
+    for name, tensor in named_tensors:
+        if name.startswith(("talker.", "token2wav.")):
+            continue
+        if not name.startswith("thinker."):
+            raise ValueError(f"{name}: not a Qwen2.5-Omni tensor (thinker.*, talker.*, token2wav.*)")
+        state[name[len("thinker."):]] = tensor
+    return state
+
+
+# ---- operators ------------------------------------------------------------------------------
+
+def refuse_audio_video(input_ids, config: Qwen2OmniConfig) -> None:
+    """The forward places images only: refuse audio / video placeholders and the audio start token."""
+    for what, tok in (("audio", config.audio_token_id), ("audio start", config.audio_start_token_id),
+                      ("video", config.video_token_id)):
+        if bool((input_ids == tok).any()):
+            raise ValueError(f"{what} token {tok} in input_ids: this thinker forward places images only (audio "
+                             f"and video inputs are out of scope; audio_features runs the audio tower alone)")
+
+
+# ---- modules --------------------------------------------------------------------------------
+
+Qwen2OmniThinkerTextModel = Qwen2VLTextModel  # the same decoder stack (`model.*`): Qwen2 blocks under M-RoPE
+
+
+class Qwen2OmniThinkerForConditionalGeneration(nn.Module):
+    """The checkpoint's thinker tree: `model` (language model), `visual`, `audio_tower`, `lm_head`."""
+
+    def __init__(self, config: Qwen2OmniConfig):
+        super().__init__()
+        self.config = config
+        self.model = Qwen2OmniThinkerTextModel(config)
+        self.visual = Qwen2_5VisionTransformer(config.vision)
+        self.audio_tower = Qwen2_5OmniAudioEncoder(config.audio)
+        self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def rope_index(self, input_ids, image_grid_thw, attention_mask):  # -> i64[3,B,T], i64[B,1]
+        c = self.config
+        return mrope.get_rope_index_omni(
+            input_ids, image_grid_thw, attention_mask, image_token_id=c.image_token_id,
+            vision_start_token_id=c.vision_start_token_id, video_token_id=c.video_token_id,
+            audio_token_id=c.audio_token_id, audio_start_token_id=c.audio_start_token_id,
+            spatial_merge_size=c.vision.spatial_merge_size)
+
+    def audio_features(self, input_features, feature_lens):
+        """The audio tower alone: input_features f32[mel, F] (every audio's frames concatenated), feature_lens
+        i64[A] -> f32[sum of audio.audio_output_lengths(feature_lens), output_dim]."""
+        return self.audio_tower(input_features, feature_lens)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, pixel_values=None, image_grid_thw=None,
+                return_hidden: bool = False):
+        """input_ids i64[B,T], attention_mask i64[B,T], position_ids i64[3,B,T] (None: the thinker's rope index
+        of the batch), pixel_values f32[P, C*2*14*14], image_grid_thw i64[I,3] -> logits f32[B,T,V] (and the
+        final hidden states with return_hidden)."""
+        refuse_audio_video(input_ids, self.config)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if position_ids is None:
+            position_ids, _ = self.rope_index(input_ids, image_grid_thw, attention_mask)
+        embeds = self.model.embed_tokens(input_ids)
+        if pixel_values is not None:
+            embeds = merge_image_embeddings(embeds, input_ids, self.visual(pixel_values, image_grid_thw),
+                                            self.config.image_token_id)
+        hidden = self.model(embeds, layer_inputs(self.config, attention_mask, position_ids))
+        logits = self.lm_head(hidden)
+        return (logits, hidden) if return_hidden else logits
+
+    @classmethod
+    def from_pretrained(cls, path):
+        """Build from an HF checkpoint directory (the wrapper's `thinker.*` layout), fp32, eval mode. A tied
+        thinker may store no head, or the shared copy."""
+        config = Qwen2OmniConfig.from_pretrained(path)
+        with torch.device("meta"):  # no random init: every parameter comes from the checkpoint
+            model = cls(config)
+        state = {k: v.to(torch.float32) for k, v in thinker_state(iter_tensors(path)).items()}
+        if config.tie_word_embeddings:
+            state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+        model.load_state_dict(state, strict=True, assign=True)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        return model.eval()
