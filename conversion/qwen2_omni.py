@@ -43,7 +43,8 @@ AUDIO_RULES = [
     (_A + r"audio_bos_eos_token\.weight", "audio_tower/audio_bos_eos_token/embedding", keep),
     (_A + r"layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|out_proj)\.weight",
      "audio_tower/layers_{0}/self_attn/{1}/kernel", linear),
-    (_A + r"layers\.(\d+)\.self_attn\.(q_proj|v_proj|out_proj)\.bias", "audio_tower/layers_{0}/self_attn/{1}/bias", keep),
+    (_A + r"layers\.(\d+)\.self_attn\.(q_proj|v_proj|out_proj)\.bias",  # k_proj has no bias
+     "audio_tower/layers_{0}/self_attn/{1}/bias", keep),
     (_A + r"layers\.(\d+)\.(fc1|fc2)\.weight", "audio_tower/layers_{0}/{1}/kernel", linear),
     (_A + r"layers\.(\d+)\.(fc1|fc2)\.bias", "audio_tower/layers_{0}/{1}/bias", keep),
     (_A + r"layers\.(\d+)\.(self_attn_layer_norm|final_layer_norm)\.(weight|bias)", "audio_tower/layers_{0}/{1}/{2}",

@@ -138,7 +138,8 @@ def qwen2_omni_audio_tensors(rng: np.random.Generator, ac: dict) -> dict[str, np
     d, ffn, mel, out = ac["d_model"], ac["encoder_ffn_dim"], ac["num_mel_bins"], ac["output_dim"]
     t = {}
     for name, shape in (("conv1", (d, mel, 3)), ("conv2", (d, d, 3))):
-        t[f"audio_tower.{name}.weight"], t[f"audio_tower.{name}.bias"] = normal(rng, shape, STD), normal(rng, (d,), BIAS_STD)
+        t[f"audio_tower.{name}.weight"] = normal(rng, shape, STD)
+        t[f"audio_tower.{name}.bias"] = normal(rng, (d,), BIAS_STD)
     t["audio_tower.audio_bos_eos_token.weight"] = normal(rng, (2, out), STD)
     for i in range(ac["encoder_layers"]):
         p = f"audio_tower.layers.{i}."

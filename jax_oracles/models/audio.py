@@ -119,7 +119,8 @@ def pool_index(feature_lens):  # i64[A] -> i64[sum of out_len]: the first frame 
     """Pairs (2j, 2j+1) within each audio's packed frames (transformers' get_pool_indices)."""
     lens = _host_lens(feature_lens)
     offsets = np.concatenate([[0], np.cumsum(_after_conv(lens))])[:-1]
-    return np.concatenate([o + 2 * np.arange(n) for o, n in zip(offsets.tolist(), audio_output_lengths(lens).tolist())])
+    counts = audio_output_lengths(lens).tolist()
+    return np.concatenate([o + 2 * np.arange(n) for o, n in zip(offsets.tolist(), counts)])
 
 
 def sinusoids(length: int, channels: int, max_timescale: float = 10_000.0):  # -> f32[length, channels] (numpy)

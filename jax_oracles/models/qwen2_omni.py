@@ -176,15 +176,21 @@ class Qwen2OmniThinkerForConditionalGeneration(nn.Module):
             audio_token_id=c.audio_token_id, audio_start_token_id=c.audio_start_token_id,
             spatial_merge_size=c.vision.spatial_merge_size)
 
+    def encode_images(self, pixel_values, image_grid_thw):  # f32[P, C*2*14*14], (host) [I,3] -> f32[P/4, D]
+        """The tower's merged patch embeddings: what replaces the image tokens (frozen under LoRA, so a trainer
+        computes them once per batch, outside its jitted step)."""
+        return self.visual(pixel_values, image_grid_thw)
+
     def audio_features(self, input_features, feature_lens):
         """The audio tower alone: input_features f32[mel, F] (every audio's frames concatenated), feature_lens
         (host) [A] -> f32[sum of audio.audio_output_lengths(feature_lens), output_dim]."""
         return self.audio_tower(input_features, feature_lens)
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, pixel_values=None, image_grid_thw=None,
-                 return_hidden: bool = False):
+                 return_hidden: bool = False, image_embeds=None):
         """input_ids i32[B,T], attention_mask i32[B,T], position_ids i32[3,B,T] (None: the thinker's rope index,
-        on the host), pixel_values f32[P, C*2*14*14], image_grid_thw (host) [I,3] -> logits f32[B,T,V]."""
+        on the host), pixel_values f32[P, C*2*14*14], image_grid_thw (host) [I,3] (or image_embeds f32[n,D],
+        encode_images' output; rows past the image tokens' count are never read) -> logits f32[B,T,V]."""
         c = self.config
         refuse_audio_video(input_ids, c)
         if attention_mask is None:
@@ -196,11 +202,13 @@ class Qwen2OmniThinkerForConditionalGeneration(nn.Module):
             position_ids, _ = self.rope_index(np.asarray(input_ids), image_grid_thw, np.asarray(attention_mask))
         embeds = self.model.embed(input_ids)
         if pixel_values is not None:
-            embeds = merge_image_embeddings(embeds, input_ids, self.visual(pixel_values, image_grid_thw),
+            embeds = merge_image_embeddings(embeds, input_ids, self.encode_images(pixel_values, image_grid_thw),
                                             c.image_token_id)
+        elif image_embeds is not None:  # padded rows allowed: the count is the caller's
+            embeds = merge_image_embeddings(embeds, input_ids, image_embeds, c.image_token_id, check_count=False)
         hidden = self.model(embeds, layer_inputs(c, attention_mask, position_ids))
         if c.tie_word_embeddings:  # the embedding doubles as the output head
-            logits = hidden @ self.variables["params"]["model"]["embed_tokens"]["embedding"].T
+            logits = self.model.embed_tokens.attend(hidden)
         else:
             logits = self.lm_head(hidden)
         return (logits, hidden) if return_hidden else logits

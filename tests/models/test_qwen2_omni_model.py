@@ -100,6 +100,11 @@ def test_source_matches_transformers(models, name):
     got = _torch_logits(src, ids, mask, pixels, grid).numpy()
     real = mask.astype(bool)  # pad rows' logits are never read
     assert np.abs(got - want)[real].max() <= TORCH_TOL * max(1.0, np.abs(want).max())
+    if pixels is not None:  # the tower's output computed once, passed in: the same forward
+        with torch.no_grad():
+            embeds = src.encode_images(torch.tensor(pixels), torch.tensor(grid))
+            again = src(torch.tensor(ids), torch.tensor(mask), image_grid_thw=torch.tensor(grid), image_embeds=embeds)
+        np.testing.assert_array_equal(again.numpy(), got)
 
 
 @pytest.mark.parametrize("name", sorted(BATCHES))
@@ -202,6 +207,30 @@ def test_conversion_both_ways():
         conv.convert_state_dict({**state, "thinker.audio_tower.layers.0.self_attn.k_proj.bias": np.zeros(32)}, config)
 
 
+def test_tied_head_variant(tmp_path):
+    """A thinker-level tie_word_embeddings (none of the shipped checkpoint's; read as transformers 5.24 reads it):
+    the stored head is dropped, the embedding is the head on both sides."""
+    import shutil
+    d = json.loads((CKPT / "config.json").read_text())
+    d["thinker_config"]["tie_word_embeddings"] = True
+    shutil.copy(CKPT / "model.safetensors", tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    src = tq.Qwen2OmniThinkerForConditionalGeneration.from_pretrained(tmp_path)
+    assert src.lm_head.weight is src.model.embed_tokens.weight
+    params = conv.load_params(tmp_path)
+    assert "lm_head" not in params and "thinker.lm_head.weight" not in conv.hf_layout(params)
+    ids, mask, pixels, grid = BATCHES["image-last"]
+    want = _torch_logits(src, ids, mask, pixels, grid).numpy()
+    embed = src.model.embed_tokens.weight.detach().numpy()
+    _, hidden = src(torch.tensor(ids), torch.tensor(mask), pixel_values=torch.tensor(pixels),
+                    image_grid_thw=torch.tensor(grid), return_hidden=True)
+    assert np.abs(hidden.detach().numpy() @ embed.T - want).max() <= 1e-5
+    model = jq.Qwen2OmniThinkerForConditionalGeneration(jq.Qwen2OmniConfig.from_pretrained(tmp_path))
+    positions, _ = model.rope_index(ids, grid, mask)
+    fwd = jax.jit(lambda p, i, m, pos, px: model.apply({"params": p}, i, m, pos, px, grid))
+    assert np.abs(np.asarray(fwd(params, ids, mask, positions, pixels)) - want).max() <= JAX_TOL
+
+
 def test_config_forms_read_the_same(tmp_path):
     """The shipped wrapper config.json (release keys), transformers 5's save of the wrapper (talker and token2wav
     configs added, rope_parameters) and of the bare thinker read the same."""
@@ -239,6 +268,8 @@ def _edit(path: str, value):
     ("thinker_config/text_config/use_sliding_window", True, "use_sliding_window"),
     ("thinker_config/text_config/rope_scaling", {"type": "default"}, "mrope_section"),
     ("thinker_config/text_config/rope_scaling", {"rope_type": "default", "mrope_section": [2, 3, 4]}, "mrope_section"),
+    ("thinker_config/text_config/rope_scaling", {"type": "yarn", "factor": 2.0, "mrope_section": [2, 3, 3]},
+     "rope_type"),
     ("thinker_config/audio_config/activation_function", "not_an_act", "activation_function"),
     ("thinker_config/audio_config/not_a_key", 1, "not_a_key"),
     ("thinker_config/vision_start_token_id", None, "vision_start_token_id"),
@@ -259,3 +290,18 @@ def test_checkpoint_is_reproducible(tmp_path):
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
     for name in ("config.json", "generation_config.json", "model.safetensors"):
         assert (tmp_path / name).read_bytes() == (CKPT / name).read_bytes(), name
+
+
+def test_lora_targets_the_language_model_only(models):
+    """LF's patch_target_modules under its defaults: adapters on the language model's projections only (the
+    vision tower with its merger and the audio tower, whose q/k/v_proj share the decoder's names, frozen), the
+    same names, shapes and order on both sides."""
+    from jax_oracles.training import lora as jlora
+    from torch_sources.training import lora as tlora
+    _, src, params, _ = models
+    want = [(f"base_model.model.model.layers.{i}.{m}", *s) for i in range(2) for m, s in (
+        ("self_attn.q_proj", (64, 64)), ("self_attn.k_proj", (64, 32)), ("self_attn.v_proj", (64, 32)),
+        ("self_attn.o_proj", (64, 64)), ("mlp.gate_proj", (64, 128)), ("mlp.up_proj", (64, 128)),
+        ("mlp.down_proj", (128, 64)))]
+    assert tlora.lora_target_specs(src, tlora.LoraConfig()) == want
+    assert jlora.lora_target_specs(params, jlora.LoraConfig()) == want

@@ -117,7 +117,8 @@ def pool_index(feature_lens):  # i64[A] -> i64[sum of out_len]: the first frame 
     """Pairs (2j, 2j+1) within each audio's packed frames (transformers' get_pool_indices)."""
     after = _after_conv(feature_lens)
     offsets = F.pad(after.cumsum(0), (1, 0))[:-1]
-    return torch.cat([o + 2 * torch.arange(n) for o, n in zip(offsets.tolist(), audio_output_lengths(feature_lens).tolist())])
+    counts = audio_output_lengths(feature_lens).tolist()
+    return torch.cat([o + 2 * torch.arange(n) for o, n in zip(offsets.tolist(), counts)])
 
 
 def sinusoids(length: int, channels: int, max_timescale: float = 10_000.0):  # -> f32[length, channels]

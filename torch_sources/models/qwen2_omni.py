@@ -187,16 +187,21 @@ class Qwen2OmniThinkerForConditionalGeneration(nn.Module):
             audio_token_id=c.audio_token_id, audio_start_token_id=c.audio_start_token_id,
             spatial_merge_size=c.vision.spatial_merge_size)
 
+    def encode_images(self, pixel_values, image_grid_thw):  # f32[P, C*2*14*14], i64[I,3] -> f32[P/4, D]
+        """The tower's merged patch embeddings: what replaces the image tokens (frozen under LoRA, so a trainer
+        may compute them once per batch)."""
+        return self.visual(pixel_values, image_grid_thw)
+
     def audio_features(self, input_features, feature_lens):
         """The audio tower alone: input_features f32[mel, F] (every audio's frames concatenated), feature_lens
         i64[A] -> f32[sum of audio.audio_output_lengths(feature_lens), output_dim]."""
         return self.audio_tower(input_features, feature_lens)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, pixel_values=None, image_grid_thw=None,
-                return_hidden: bool = False):
+                return_hidden: bool = False, image_embeds=None):
         """input_ids i64[B,T], attention_mask i64[B,T], position_ids i64[3,B,T] (None: the thinker's rope index
-        of the batch), pixel_values f32[P, C*2*14*14], image_grid_thw i64[I,3] -> logits f32[B,T,V] (and the
-        final hidden states with return_hidden)."""
+        of the batch), pixel_values f32[P, C*2*14*14], image_grid_thw i64[I,3] (or image_embeds f32[n,D],
+        encode_images' output) -> logits f32[B,T,V] (and the final hidden states with return_hidden)."""
         refuse_audio_video(input_ids, self.config)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
@@ -204,8 +209,9 @@ class Qwen2OmniThinkerForConditionalGeneration(nn.Module):
             position_ids, _ = self.rope_index(input_ids, image_grid_thw, attention_mask)
         embeds = self.model.embed_tokens(input_ids)
         if pixel_values is not None:
-            embeds = merge_image_embeddings(embeds, input_ids, self.visual(pixel_values, image_grid_thw),
-                                            self.config.image_token_id)
+            image_embeds = self.encode_images(pixel_values, image_grid_thw)
+        if image_embeds is not None:
+            embeds = merge_image_embeddings(embeds, input_ids, image_embeds, self.config.image_token_id)
         hidden = self.model(embeds, layer_inputs(self.config, attention_mask, position_ids))
         logits = self.lm_head(hidden)
         return (logits, hidden) if return_hidden else logits
