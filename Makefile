@@ -121,6 +121,7 @@ assets: venv          ## regenerate the tiny checkpoints, tokenizer, datasets an
 	$(PY) tools/make_datasets.py
 	$(PY) tools/make_checkpoints.py
 	$(PY) tools/make_images.py
+	$(PY) tools/make_vl_datasets.py
 	$(PY) tools/make_vl_checkpoints.py
 
 clean-venv:

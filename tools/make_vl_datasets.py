@@ -2,7 +2,8 @@
 
 LLaMA-Factory's alpaca multimodal form: `<image>` placeholders opening the instruction and an `images` list of file
 names of the shipped assets/images/*.png (tools/make_images.py), which LF's converter resolves against `media_dir`
-(here assets/images). A row without an image has no `images` key. The answers come from the pixels the model is
+(its default: the dataset dir). Each dataset dir carries copies of the images (git stores each blob once), so the
+dir is self-contained: LF's default finds them, and so does a grading that copies the dir into its sandbox. A row without an image has no `images` key. The answers come from the pixels the model is
 shown: the decoded PNG after LF's regularization (jax_oracles/models/vision_processing.preprocess_image_lf).
 - corner: "What color is the top left corner?" -> "The top left corner is red.": the corner block's (a square of
   min(H, W) // 6 pixels) mean colour named by its largest channel (red, green, blue), or white / black (mean above /
@@ -27,7 +28,7 @@ with a fixed layout: `python tools/make_vl_datasets.py` reproduces the committed
 
 from __future__ import annotations
 
-import json
+import shutil
 import sys
 from itertools import permutations
 from pathlib import Path
@@ -163,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     del argv
     for out_dir, (train, held_out) in ((SFT_DIR, make_sft_vl()), (DPO_DIR, make_dpo_vl())):
         out_dir.mkdir(parents=True, exist_ok=True)
+        for name in sorted({p for row in train + held_out for p in row.get("images", ())}):
+            shutil.copyfile(IMAGE_DIR / name, out_dir / name)  # LF's media_dir default: the dataset dir
         write_rows(out_dir / "train.json", train)
         write_rows(out_dir / "eval.json", held_out)
         print(f"wrote {(out_dir / 'train.json').relative_to(ROOT)} ({len(train)} rows), "

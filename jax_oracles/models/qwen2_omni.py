@@ -30,6 +30,7 @@ from jax_oracles.models.qwen2 import Qwen2Config
 from jax_oracles.models.qwen2_vl import Qwen2VLTextModel, layer_inputs, merge_image_embeddings, read_text_config
 from jax_oracles.models.vision import Qwen2_5VisionTransformer, Qwen2_5VLVisionConfig
 
+AUTO_MODEL = ("qwen2_5_omni", "Qwen2OmniThinkerForConditionalGeneration")  # HF model_type -> this file's model (models/auto.py finds it here)
 __all__ = [
     "CONFIG_KEYS", "TEXT_KEYS", "WRAPPER_KEYS", "Qwen2OmniConfig",
     "layer_inputs", "merge_image_embeddings", "refuse_audio_video",

@@ -79,8 +79,10 @@ def get_mm_inputs(images: list[np.ndarray], plugin: MMPlugin) -> tuple[np.ndarra
 
 
 def process_messages(messages: list[dict], images: list[np.ndarray], plugin: MMPlugin | None) -> list[dict]:
-    """Qwen2VLPlugin.process_messages for images: each `<image>` (counted over every message) expanded to its
-    image's tokens. Without a plugin (LF's base plugin) the messages stay as they are, and images are refused."""
+    """Qwen2VLPlugin.process_messages for images (regularized, in order): each `<image>`, counted over every
+    message, expanded to its image's tokens (LF's _validate_messages error when the counts differ). Without a
+    plugin (LF's base plugin) the messages stay as they are, placeholders included, and any image is refused
+    (only counted: it may be a path)."""
     if plugin is None:
         if images:  # MMPluginMixin._validate_input
             raise ValueError(NO_IMAGE_SUPPORT)

@@ -26,15 +26,17 @@ import optax
 
 from jax_oracles.models import auto
 
-from .collator import SFTDataCollator, collated_positions
+from .collator import MultimodalContext, SFTDataCollator, collated_positions
 from .lora import LoraConfig, init_lora_tree, lora_state_dict, lora_tree_from_state_dict
+from .mm_plugin import fake_image_input_ids
 from .loss import IGNORE_INDEX, causal_lm_loss
 from .optimizer import LR_MULTIPLIERS, create_optimizer, decay_parameter_names
 from .processor import preprocess_supervised_dataset
 from .template import get_template, load_tokenizer
 
-__all__ = ["TrainArgs", "SFTResult", "lora_config", "load_processed_dataset", "make_collator", "step_example_indices",
-           "num_training_steps", "CausalLM", "load_model", "sft_step_loss_and_grads", "train_steps",
+__all__ = ["TrainArgs", "SFTResult", "lora_config", "media_dir", "load_processed_dataset", "multimodal_context",
+           "make_collator", "MODEL_INPUTS", "model_inputs", "step_example_indices",
+           "num_training_steps", "CausalLM", "load_model", "encode_images", "sft_step_loss_and_grads", "train_steps",
            "mean_of_batch_losses", "evaluate_loss", "train_sft"]
 
 _peft_state_dict = lora_state_dict  # for functions whose lora_state_dict argument shadows the name
@@ -66,6 +68,7 @@ class TrainArgs:
     lora_dropout: float = 0.0
     train_on_prompt: bool = False  # LF: label the prompts too
     mask_history: bool = False  # LF: label the last turn only, and give it the cutoff budget first
+    media_dir: str | None = None  # LF's DataArguments.media_dir: where the rows' images are (None: the dataset dir)
 
     def __post_init__(self):
         if self.lr_scheduler_type not in LR_MULTIPLIERS:
@@ -91,19 +94,47 @@ def _fixed_tokenizer(tokenizer_dir, args: TrainArgs):
     return template, template.fix_special_tokens(load_tokenizer(tokenizer_dir))
 
 
+def media_dir(args, data_dir) -> Path:
+    """LF's media_dir: the rows' image paths are relative to it (its default: the dataset dir)."""
+    return Path(args.media_dir) if args.media_dir is not None else Path(data_dir)
+
+
 def load_processed_dataset(tokenizer_dir, data_dir, split: str, args: TrainArgs) -> list[dict]:
-    """data_dir/{split}.json (alpaca rows) through the template and the supervised processor."""
+    """data_dir/{split}.json (alpaca rows, with an `images` column for a vision-language template) through the
+    template (its mm plugin expands the image placeholders) and the supervised processor."""
     template, tokenizer = _fixed_tokenizer(tokenizer_dir, args)
     rows = json.loads((Path(data_dir) / f"{split}.json").read_text())
     return preprocess_supervised_dataset(rows, tokenizer, template, args.cutoff_len, args.train_on_prompt,
-                                         args.mask_history)
+                                         args.mask_history, media_dir(args, data_dir))
 
 
-def make_collator(args: TrainArgs, tokenizer_dir=None, pad_to_length: int | None = None) -> SFTDataCollator:
+def multimodal_context(args, tokenizer_dir, data_dir, rope_index) -> MultimodalContext | None:
+    """LF's MultiModalDataCollatorForSeq2Seq inputs for a template with an mm plugin (None otherwise): the plugin,
+    the tokenizer (the fake image's tokens), the media dir and the model's rope index (its position ids)."""
+    template, tokenizer = _fixed_tokenizer(tokenizer_dir, args)
+    if template.mm_plugin is None:
+        return None
+    return MultimodalContext(template.mm_plugin, tokenizer, media_dir(args, data_dir), rope_index)
+
+
+def make_collator(args: TrainArgs, tokenizer_dir=None, pad_to_length: int | None = None, data_dir=None,
+                  rope_index=None) -> SFTDataCollator:
     """The training collator; pad id = the template-fixed tokenizer's pad (LF: eos), 0 without a
-    tokenizer (pads are masked and unlabelled, so the id never changes a loss)."""
-    pad_token_id = 0 if tokenizer_dir is None else _fixed_tokenizer(tokenizer_dir, args)[1].pad_token_id
-    return SFTDataCollator(pad_token_id=pad_token_id, pad_to_length=pad_to_length)
+    tokenizer (pads are masked and unlabelled, so the id never changes a loss). A vision-language template's
+    also reads the rows' images (from data_dir, or args.media_dir) and takes the model's rope_index."""
+    if tokenizer_dir is None:
+        return SFTDataCollator(pad_token_id=0, pad_to_length=pad_to_length)
+    mm = multimodal_context(args, tokenizer_dir, data_dir, rope_index)
+    return SFTDataCollator(pad_token_id=_fixed_tokenizer(tokenizer_dir, args)[1].pad_token_id,
+                           pad_to_length=pad_to_length, mm=mm)
+
+
+MODEL_INPUTS = {"position_ids": np.int32, "pixel_values": np.float32, "image_grid_thw": np.int64}
+
+
+def model_inputs(batch: dict) -> dict[str, np.ndarray]:
+    """What a vision-language collator adds for the forward (M-RoPE positions, pixels, grids); {} for text."""
+    return {k: np.asarray(batch[k], dtype) for k, dtype in MODEL_INPUTS.items() if k in batch}
 
 
 def step_example_indices(num_examples: int, args: TrainArgs, epoch: int) -> list[list[np.ndarray]]:
@@ -140,13 +171,24 @@ def _label_count(labels):  # i32[..., T] -> f32 scalar: labelled positions befor
     return jnp.sum(labels != IGNORE_INDEX).astype(jnp.float32)
 
 
+def _forward(module, variables, batch):
+    """The family's logits on a padded batch: a vision-language batch brings its M-RoPE positions and the tower's
+    image embeddings (computed outside the step: the tower is frozen); a text batch takes torch's collated
+    positions (its longrope table)."""
+    if "position_ids" in batch:
+        extra = {"image_embeds": batch["image_embeds"]} if "image_embeds" in batch else {}
+        return module.apply(variables, batch["input_ids"], batch["attention_mask"], batch["position_ids"], **extra)
+    return module.apply(variables, batch["input_ids"], batch["attention_mask"],
+                        collated_positions(batch["attention_mask"]))
+
+
 def _accumulate(module, params, lora, batches):
-    """batches: dict of i32[GA,B,L] -> (step loss, summed grads) over the GA micro-batches."""
+    """batches: dict of i32[GA,B,L] (+ position_ids i32[GA,3,B,L], image_embeds f32[GA,N,D]) -> (step loss,
+    summed grads) over the GA micro-batches."""
     num_items = _label_count(batches["labels"])
 
     def micro_loss(lora, batch):
-        logits = module.apply({"params": params, "lora": lora}, batch["input_ids"], batch["attention_mask"],
-                              collated_positions(batch["attention_mask"]))  # torch's batch: its longrope table
+        logits = _forward(module, {"params": params, "lora": lora}, batch)
         return causal_lm_loss(logits, batch["labels"], num_items)
 
     def body(carry, batch):
@@ -178,33 +220,76 @@ def _train_step_fn(module, tx):
 def _eval_fn(module):
     def batch_loss(params, lora, batch):  # -> the batch's token-mean CE (HF: its own num_items_in_batch)
         variables = {"params": params} if lora is None else {"params": params, "lora": lora}
-        logits = module.apply(variables, batch["input_ids"], batch["attention_mask"],
-                              collated_positions(batch["attention_mask"]))
-        return causal_lm_loss(logits, batch["labels"], _label_count(batch["labels"]))
+        return causal_lm_loss(_forward(module, variables, batch), batch["labels"], _label_count(batch["labels"]))
 
     return jax.jit(batch_loss)
 
 
 # ---- static-shape batching -------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
+def _encode_fn(module, grid: tuple[int, int, int]):
+    return jax.jit(lambda params, pixels: module.apply({"params": params}, pixels, np.array([grid]),
+                                                       method="encode_images"))
+
+
+def encode_images(model: "CausalLM", pixel_values, image_grid_thw) -> np.ndarray:
+    """f32[P, C*T*ps*ps], i64[I,3] -> f32[n,D]: the frozen tower's merged embeddings of a batch's images, one image
+    at a time (a compile per image grid, reused across batches), in the batch's order."""
+    out, start = [], 0
+    for grid in np.asarray(image_grid_thw).tolist():
+        n = int(np.prod(grid))
+        out.append(_encode_fn(model.module, tuple(grid))(model.params, pixel_values[start:start + n]))
+        start += n
+    return np.concatenate([np.asarray(e) for e in jax.device_get(out)])
+
+
+def _embedded(model: "CausalLM", batch: dict) -> dict:
+    """A collated vision-language batch with its pixels through the tower (image_embeds instead of pixel_values,
+    grids and rope deltas: what the jitted step takes); a text batch as it is."""
+    if "pixel_values" not in batch:
+        return batch
+    keep = {k: v for k, v in batch.items() if k not in ("pixel_values", "image_grid_thw", "rope_deltas")}
+    return {**keep, "image_embeds": encode_images(model, batch["pixel_values"], batch["image_grid_thw"])}
+
+
 def _pad_batch(batch: dict, rows: int, length: int, pad_token_id: int) -> dict[str, np.ndarray]:
     """Right-pad a collated batch to [rows, length]. Pad columns of real rows are masked; filler
-    rows get a full mask (no empty softmax row) and no labels."""
+    rows get a full mask (no empty softmax row) and no labels. M-RoPE positions pad with 0, image embeddings
+    with zero rows up to rows * length (never read: no image token points there)."""
     n, t = np.shape(batch["input_ids"])
     ids = np.full((rows, length), pad_token_id, np.int32)
     mask = np.ones((rows, length), np.int32)
     mask[:n] = 0
     labels = np.full((rows, length), IGNORE_INDEX, np.int32)
     ids[:n, :t], mask[:n, :t], labels[:n, :t] = batch["input_ids"], batch["attention_mask"], batch["labels"]
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    out = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    if "position_ids" in batch:
+        out["position_ids"] = np.zeros((3, rows, length), np.int32)
+        out["position_ids"][:, :n, :t] = batch["position_ids"]
+    if "image_embeds" in batch:
+        embeds = np.asarray(batch["image_embeds"], np.float32)
+        out["image_embeds"] = np.zeros((rows * length, embeds.shape[-1]), np.float32)
+        out["image_embeds"][:len(embeds)] = embeds
+    return out
+
+
+def _filler(like: dict) -> dict[str, np.ndarray]:
+    """An empty micro-batch with like's keys (a short last step's missing micro-batches)."""
+    empty = {k: np.zeros((0, 0), np.int32) for k in ("input_ids", "attention_mask", "labels")}
+    if "position_ids" in like:
+        empty["position_ids"] = np.zeros((3, 0, 0), np.int32)
+    if "image_embeds" in like:
+        empty["image_embeds"] = np.zeros((0, np.shape(like["image_embeds"])[-1]), np.float32)
+    return empty
 
 
 def _stack_step(micro_batches: list[dict], num_micro: int, rows: int, length: int,
                 pad_token_id: int) -> dict[str, np.ndarray]:
-    """GA micro-batches -> dict of i32[num_micro, rows, length]; missing micro-batches are filler."""
-    filler = {k: np.zeros((0, 0), np.int32) for k in ("input_ids", "attention_mask", "labels")}
+    """GA micro-batches -> dict of i32[num_micro, rows, length] (+ positions, embeddings); missing micro-batches
+    are filler."""
     padded = [_pad_batch(b, rows, length, pad_token_id) for b in micro_batches]
-    padded += [_pad_batch(filler, rows, length, pad_token_id)] * (num_micro - len(micro_batches))
+    padded += [_pad_batch(_filler(micro_batches[0]), rows, length, pad_token_id)] * (num_micro - len(micro_batches))
     return {k: np.stack([b[k] for b in padded]) for k in padded[0]}
 
 
@@ -218,7 +303,7 @@ def _step_shape(step_batches: list[list[dict]]) -> tuple[int, int, int]:
 def sft_step_loss_and_grads(model: CausalLM, lora_state_dict: dict, micro_batches: list[dict]) -> tuple[float, dict]:
     """Loss and LoRA grads ({peft name: array}, torch layout) of one accumulation step, no update."""
     num_micro, rows, length = _step_shape([micro_batches])
-    batches = _stack_step(micro_batches, num_micro, rows, length, pad_token_id=0)
+    batches = _stack_step([_embedded(model, b) for b in micro_batches], num_micro, rows, length, pad_token_id=0)
     loss, grads = _loss_and_grads_fn(model.module)(model.params, lora_tree_from_state_dict(lora_state_dict), batches)
     return float(loss), _peft_state_dict(grads)
 
@@ -237,7 +322,7 @@ def _run_steps(model: CausalLM, lora, tx, steps, pad_token_id: int, shape) -> tu
     opt_state = tx.init(lora)
     losses = []
     for micro_batches in steps:
-        batches = _stack_step(micro_batches, *shape, pad_token_id)
+        batches = _stack_step([_embedded(model, b) for b in micro_batches], *shape, pad_token_id)
         lora, opt_state, loss = step_fn(model.params, lora, opt_state, batches)
         losses.append(loss)  # stays on device: no host sync per step
     return [float(x) for x in jax.device_get(losses)], lora
@@ -265,30 +350,41 @@ def mean_of_batch_losses(batch_losses: list[float]) -> float:
     return float(losses[finite].mean() if finite.any() else losses.mean())
 
 
-def _evaluate(model: CausalLM, lora, features: list[dict], batch_size: int, length: int) -> float:
+def _evaluate(model: CausalLM, lora, features: list[dict], batch_size: int, length: int, collate=None) -> float:
     """HF eval_loss over features in order; every eval batch is padded to [batch_size, length] (one
-    compile; filler rows carry no labels, so each batch's token mean is unchanged)."""
-    collate = SFTDataCollator(pad_token_id=0, pad_to_length=length)  # pads are masked and unlabelled
+    compile; filler rows carry no labels, so each batch's token mean is unchanged). `collate`: a vision-language
+    task's collator (pad_to_length=length); text rows are padded with 0 (masked and unlabelled)."""
+    collate = collate or SFTDataCollator(pad_token_id=0, pad_to_length=length)
     fn = _eval_fn(model.module)
     losses = []
     for s in range(0, len(features), batch_size):
-        batch = _pad_batch(collate(features[s:s + batch_size]), batch_size, length, 0)
+        batch = _pad_batch(_embedded(model, collate(features[s:s + batch_size])), batch_size, length, 0)
         losses.append(fn(model.params, lora, batch))
     return mean_of_batch_losses(jax.device_get(losses))
 
 
-def _bucket_length(features: list[dict]) -> int:
-    """The longest row (<= cutoff_len after preprocessing) rounded up to a multiple of 8."""
-    return -(-max(len(f["input_ids"]) for f in features) // 8) * 8
+def _bucket_length(features: list[dict], extra: int = 0) -> int:
+    """The longest row (<= cutoff_len after preprocessing) plus `extra` (LF's fake image on row 0 of an
+    image-free vision-language batch), rounded up to a multiple of 8."""
+    return -(-(max(len(f["input_ids"]) for f in features) + extra) // 8) * 8
 
 
-def evaluate_loss(model_dir, lora_state_dict: dict | None, eval_features: list[dict], args: TrainArgs) -> float:
+def _fake_image_length(mm) -> int:
+    return 0 if mm is None else len(fake_image_input_ids(mm.tokenizer, mm.plugin))
+
+
+def evaluate_loss(model_dir, lora_state_dict: dict | None, eval_features: list[dict], args: TrainArgs,
+                  tokenizer_dir=None, data_dir=None) -> float:
     """HF eval_loss over eval_features (processed rows) in batches of per_device_eval_batch_size:
-    the mean of each batch's token-mean CE. The base model when lora_state_dict is None."""
+    the mean of each batch's token-mean CE. The base model when lora_state_dict is None. A vision-language
+    task's rows need its tokenizer_dir and data_dir (their images; LF's fake image for an image-free batch)."""
     model = load_model(model_dir, lora_config(args))
     lora = None if lora_state_dict is None else lora_tree_from_state_dict(lora_state_dict)
-    length = _bucket_length(eval_features)
-    return _evaluate(model, lora, eval_features, args.per_device_eval_batch_size, length)
+    mm = None if tokenizer_dir is None else multimodal_context(args, tokenizer_dir, data_dir,
+                                                               getattr(model.module, "rope_index", None))
+    length = _bucket_length(eval_features, _fake_image_length(mm))
+    collate = None if mm is None else SFTDataCollator(pad_token_id=0, pad_to_length=length, mm=mm)
+    return _evaluate(model, lora, eval_features, args.per_device_eval_batch_size, length, collate)
 
 
 def train_sft(model_dir, tokenizer_dir, data_dir, args: TrainArgs = TrainArgs()) -> SFTResult:
@@ -296,15 +392,17 @@ def train_sft(model_dir, tokenizer_dir, data_dir, args: TrainArgs = TrainArgs())
     start = time.perf_counter()
     train = load_processed_dataset(tokenizer_dir, data_dir, "train", args)
     held_out = load_processed_dataset(tokenizer_dir, data_dir, "eval", args)
-    length = _bucket_length(train + held_out)  # one static shape for every batch
-    collate = make_collator(args, tokenizer_dir, pad_to_length=length)
-
     model = load_model(model_dir, lora_config(args))
+    rope_index = getattr(model.module, "rope_index", None)  # M-RoPE models: LF's collator asks the model
+    mm = multimodal_context(args, tokenizer_dir, data_dir, rope_index)
+    length = _bucket_length(train + held_out, _fake_image_length(mm))  # one static shape for every batch
+    collate = make_collator(args, tokenizer_dir, pad_to_length=length, data_dir=data_dir, rope_index=rope_index)
+    eval_collate = None if mm is None else SFTDataCollator(pad_token_id=0, pad_to_length=length, mm=mm)
     lora = init_lora_tree(model.params, lora_config(args), args.seed)
     # lora_B starts at zero, so the adapted model is exactly the base model: evaluating it
     # instead of the lora-free model reuses the eval compile of the trained adapter.
     eval_batch = args.per_device_eval_batch_size
-    eval_loss_before = _evaluate(model, lora, held_out, eval_batch, length)
+    eval_loss_before = _evaluate(model, lora, held_out, eval_batch, length, eval_collate)
     tx = _lora_optimizer(args, num_training_steps(len(train), args))
     steps = (
         [collate([train[i] for i in idx]) for idx in step]
@@ -313,6 +411,6 @@ def train_sft(model_dir, tokenizer_dir, data_dir, args: TrainArgs = TrainArgs())
     )
     shape = (args.gradient_accumulation_steps, args.per_device_train_batch_size, length)
     step_losses, lora = _run_steps(model, lora, tx, steps, collate.pad_token_id, shape)
-    eval_loss_after = _evaluate(model, lora, held_out, eval_batch, length)
+    eval_loss_after = _evaluate(model, lora, held_out, eval_batch, length, eval_collate)
     return SFTResult(step_losses, eval_loss_before, eval_loss_after, lora_state_dict(lora),
                      time.perf_counter() - start)

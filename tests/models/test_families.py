@@ -119,6 +119,12 @@ def _assigned(path: Path, name: str):
     return None
 
 
+def staged_families(root: Path) -> set[str]:
+    """Model families whose tasks are not registered yet (the vision-language ones of issue 32): a builder at
+    tools/vl_checkpoints_<family>.py. They may be loadable (AUTO_MODEL) before their family yaml exists."""
+    return {p.stem[len("vl_checkpoints_"):] for p in (root / "tools").glob("vl_checkpoints_*.py")}
+
+
 def registration_gaps(root: Path) -> list[str]:
     """What each configs/family/<f>.yaml lacks to be registered whole, and what is registered with no family:
     [] when every family is complete."""
@@ -167,9 +173,14 @@ def registration_gaps(root: Path) -> list[str]:
     for task, (f, _, _) in tasks.items():
         if f not in families:
             gaps.append(f"task {task}: family {f!r} has no configs/family/{f}.yaml")
+    staged = staged_families(root)
+    for name in sorted(staged & set(families.values())):
+        gaps.append(f"{name}: a family yaml beside a staged builder (tools/vl_checkpoints_{name}.py: move it to "
+                    f"tools/checkpoints_{name}.py)")
     for side in ("torch_sources", "jax_oracles"):
         for path in sorted((root / side / "models").glob("*.py")):
-            if _assigned(path, "AUTO_MODEL") is not None and path.stem not in families.values():
+            if (_assigned(path, "AUTO_MODEL") is not None and path.stem not in families.values()
+                    and path.stem not in staged):
                 gaps.append(f"{side}/models/{path.name}: AUTO_MODEL with no family yaml")
     for path in sorted((root / "tools").glob("checkpoints_*.py")):
         if path.stem != "checkpoints_small" and path.stem[len("checkpoints_"):] not in families:
@@ -179,6 +190,19 @@ def registration_gaps(root: Path) -> list[str]:
 
 def test_every_family_is_registered_whole():
     assert registration_gaps(ROOT) == []
+
+
+def test_staged_families_are_whole_models():
+    """A staged family is a model family in full (both sides, its converter, its checkpoint, its tests, both
+    registries) whose tasks come later; exactly the vision-language families of issue 32 are staged."""
+    staged = staged_families(ROOT)
+    assert staged == {"qwen2_vl", "qwen3_vl", "qwen2_omni"}
+    for name in staged:
+        for f in (f"torch_sources/models/{name}.py", f"jax_oracles/models/{name}.py", f"conversion/{name}.py",
+                  f"tests/models/test_{name}_model.py", f"assets/checkpoints/{name}/config.json"):
+            assert (ROOT / f).is_file(), f
+        assert tauto.family_of(ROOT / "assets/checkpoints" / name) == name
+        assert jauto.family_of(ROOT / "assets/checkpoints" / name) == name
 
 
 def _half_registered_tree(tmp_path: Path) -> Path:

@@ -32,6 +32,7 @@ from torch_sources.models.qwen2 import Qwen2Config
 from torch_sources.models.qwen2_vl import Qwen2VLTextModel, layer_inputs, merge_image_embeddings, read_text_config
 from torch_sources.models.vision import Qwen2_5VisionTransformer, Qwen2_5VLVisionConfig
 
+AUTO_MODEL = ("qwen2_5_omni", "Qwen2OmniThinkerForConditionalGeneration")  # HF model_type -> this file's model (models/auto.py finds it here)
 __all__ = [
     "CONFIG_KEYS", "TEXT_KEYS", "WRAPPER_KEYS", "Qwen2OmniConfig", "thinker_state",
     "layer_inputs", "merge_image_embeddings", "refuse_audio_video",

@@ -22,6 +22,7 @@ from torch_sources.models.loading import load_config, load_pretrained
 from torch_sources.models.qwen2 import Qwen2Config, Qwen2DecoderLayer
 from torch_sources.models.vision import Qwen2VisionTransformer, Qwen2VLVisionConfig
 
+AUTO_MODEL = ("qwen2_vl", "Qwen2VLForConditionalGeneration")  # HF model_type -> this file's model (models/auto.py finds it here)
 __all__ = [
     "CONFIG_KEYS", "TEXT_KEYS", "Qwen2VLConfig", "read_text_config",
     "layer_inputs", "merge_image_embeddings",

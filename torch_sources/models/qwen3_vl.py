@@ -25,6 +25,7 @@ from torch_sources.models.qwen2_vl import merge_image_embeddings
 from torch_sources.models.qwen3 import Qwen3Config, Qwen3DecoderLayer
 from torch_sources.models.vision import Qwen3VisionTransformer, Qwen3VLVisionConfig
 
+AUTO_MODEL = ("qwen3_vl", "Qwen3VLForConditionalGeneration")  # HF model_type -> this file's model (models/auto.py finds it here)
 __all__ = [
     "CONFIG_KEYS", "TEXT_KEYS", "Qwen3VLConfig", "read_text_config",
     "layer_inputs", "merge_image_embeddings", "add_deepstack",

@@ -27,14 +27,15 @@ import torch
 
 from torch_sources.models import auto
 
-from .collator import SFTDataCollator
+from .collator import MultimodalContext, SFTDataCollator
 from .lora import PEFT_PREFIX, LoraConfig, inject_lora, load_lora_state_dict, lora_state_dict
 from .loss import causal_lm_loss, count_label_tokens
 from .optimizer import LR_MULTIPLIERS, clip_grad_norm, create_optimizer
 from .processor import preprocess_supervised_dataset
 from .template import get_template, load_tokenizer
 
-__all__ = ["TrainArgs", "SFTResult", "lora_config", "load_processed_dataset", "make_collator", "step_example_indices",
+__all__ = ["TrainArgs", "SFTResult", "lora_config", "media_dir", "load_processed_dataset", "multimodal_context",
+           "make_collator", "MODEL_INPUTS", "model_inputs", "step_example_indices",
            "num_training_steps", "load_model", "sft_step_loss_and_grads", "train_steps", "mean_of_batch_losses",
            "evaluate_loss", "train_sft"]
 
@@ -63,6 +64,7 @@ class TrainArgs:
     lora_dropout: float = 0.0
     train_on_prompt: bool = False  # LF: label the prompts too
     mask_history: bool = False  # LF: label the last turn only, and give it the cutoff budget first
+    media_dir: str | None = None  # LF's DataArguments.media_dir: where the rows' images are (None: the dataset dir)
 
     def __post_init__(self):
         if self.lr_scheduler_type not in LR_MULTIPLIERS:
@@ -87,19 +89,39 @@ def _fixed_tokenizer(tokenizer_dir, args: TrainArgs):
     return template, template.fix_special_tokens(load_tokenizer(tokenizer_dir))
 
 
+def media_dir(args, data_dir) -> Path:
+    """LF's media_dir: the rows' image paths are relative to it (its default: the dataset dir)."""
+    return Path(args.media_dir) if args.media_dir is not None else Path(data_dir)
+
+
 def load_processed_dataset(tokenizer_dir, data_dir, split: str, args: TrainArgs) -> list[dict]:
-    """data_dir/{split}.json (alpaca rows) through the template and the supervised processor."""
+    """data_dir/{split}.json (alpaca rows, with an `images` column for a vision-language template) through the
+    template (its mm plugin expands the image placeholders) and the supervised processor."""
     template, tokenizer = _fixed_tokenizer(tokenizer_dir, args)
     rows = json.loads((Path(data_dir) / f"{split}.json").read_text())
     return preprocess_supervised_dataset(rows, tokenizer, template, args.cutoff_len, args.train_on_prompt,
-                                         args.mask_history)
+                                         args.mask_history, media_dir(args, data_dir))
 
 
-def make_collator(args: TrainArgs, tokenizer_dir=None, pad_to_length: int | None = None) -> SFTDataCollator:
+def multimodal_context(args, tokenizer_dir, data_dir, rope_index) -> MultimodalContext | None:
+    """LF's MultiModalDataCollatorForSeq2Seq inputs for a template with an mm plugin (None otherwise): the plugin,
+    the tokenizer (the fake image's tokens), the media dir and the model's rope index (its position ids)."""
+    template, tokenizer = _fixed_tokenizer(tokenizer_dir, args)
+    if template.mm_plugin is None:
+        return None
+    return MultimodalContext(template.mm_plugin, tokenizer, media_dir(args, data_dir), rope_index)
+
+
+def make_collator(args: TrainArgs, tokenizer_dir=None, pad_to_length: int | None = None, data_dir=None,
+                  rope_index=None) -> SFTDataCollator:
     """The training collator; pad id = the template-fixed tokenizer's pad (LF: eos), 0 without a
-    tokenizer (pads are masked and unlabelled, so the id never changes a loss)."""
-    pad_token_id = 0 if tokenizer_dir is None else _fixed_tokenizer(tokenizer_dir, args)[1].pad_token_id
-    return SFTDataCollator(pad_token_id=pad_token_id, pad_to_length=pad_to_length)
+    tokenizer (pads are masked and unlabelled, so the id never changes a loss). A vision-language template's
+    also reads the rows' images (from data_dir, or args.media_dir) and takes the model's rope_index."""
+    if tokenizer_dir is None:
+        return SFTDataCollator(pad_token_id=0, pad_to_length=pad_to_length)
+    mm = multimodal_context(args, tokenizer_dir, data_dir, rope_index)
+    return SFTDataCollator(pad_token_id=_fixed_tokenizer(tokenizer_dir, args)[1].pad_token_id,
+                           pad_to_length=pad_to_length, mm=mm)
 
 
 def step_example_indices(num_examples: int, args: TrainArgs, epoch: int) -> list[list[np.ndarray]]:
@@ -129,13 +151,21 @@ def _batch_tensors(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
                  for k in ("input_ids", "attention_mask", "labels"))
 
 
+MODEL_INPUTS = {"position_ids": torch.long, "pixel_values": torch.float32, "image_grid_thw": torch.long}
+
+
+def model_inputs(batch: dict) -> dict[str, torch.Tensor]:
+    """What a vision-language collator adds for the forward (M-RoPE positions, pixels, grids); {} for text."""
+    return {k: torch.as_tensor(np.asarray(batch[k]), dtype=dtype) for k, dtype in MODEL_INPUTS.items() if k in batch}
+
+
 def _accumulate_grads(model, micro_batches: list[dict]) -> float:
     """Forward + backward of each micro-batch into .grad; returns the step loss (token mean)."""
     num_items = sum(count_label_tokens(b["labels"]) for b in micro_batches)
     total = 0.0
     for batch in micro_batches:
         input_ids, attention_mask, labels = _batch_tensors(batch)
-        loss = causal_lm_loss(model(input_ids, attention_mask), labels, num_items)
+        loss = causal_lm_loss(model(input_ids, attention_mask, **model_inputs(batch)), labels, num_items)
         loss.backward()
         total += loss.item()
     return total
@@ -192,25 +222,33 @@ def mean_of_batch_losses(batch_losses: list[float]) -> float:
 
 
 @torch.no_grad()
-def _evaluate(model, features: list[dict], batch_size: int) -> float:
+def _evaluate(model, features: list[dict], batch_size: int, collate=None) -> float:
     """HF prediction_step per batch of features (in order): compute_loss with num_items_in_batch =
     this batch's labelled positions (loss.count_label_tokens), i.e. the batch's token mean unless the first
-    position is labelled (train_on_prompt); then mean_of_batch_losses."""
-    collate = SFTDataCollator(pad_token_id=0)  # pads are masked and unlabelled: their id is irrelevant
+    position is labelled (train_on_prompt); then mean_of_batch_losses. `collate`: a vision-language task's
+    collator; text rows are padded with 0 (pads are masked and unlabelled: their id is irrelevant)."""
+    collate = collate or SFTDataCollator(pad_token_id=0)
     losses = []
     for s in range(0, len(features), batch_size):
-        input_ids, attention_mask, labels = _batch_tensors(collate(features[s:s + batch_size]))
-        losses.append(causal_lm_loss(model(input_ids, attention_mask), labels, count_label_tokens(labels)).item())
+        batch = collate(features[s:s + batch_size])
+        input_ids, attention_mask, labels = _batch_tensors(batch)
+        logits = model(input_ids, attention_mask, **model_inputs(batch))
+        losses.append(causal_lm_loss(logits, labels, count_label_tokens(labels)).item())
     return mean_of_batch_losses(losses)
 
 
-def evaluate_loss(model_dir, lora_state_dict: dict | None, eval_features: list[dict], args: TrainArgs) -> float:
+def evaluate_loss(model_dir, lora_state_dict: dict | None, eval_features: list[dict], args: TrainArgs,
+                  tokenizer_dir=None, data_dir=None) -> float:
     """HF eval_loss over eval_features (processed rows) in batches of per_device_eval_batch_size:
-    the mean of each batch's token-mean CE. The base model when lora_state_dict is None."""
+    the mean of each batch's token-mean CE. The base model when lora_state_dict is None. A vision-language
+    task's rows need its tokenizer_dir and data_dir (their images; LF's fake image for an image-free batch)."""
     model = load_model(model_dir, lora_config(args) if lora_state_dict is not None else None, args.seed)
     if lora_state_dict is not None:
         load_lora_state_dict(model, lora_state_dict)
-    return _evaluate(model, eval_features, args.per_device_eval_batch_size)
+    mm = None if tokenizer_dir is None else multimodal_context(args, tokenizer_dir, data_dir,
+                                                               getattr(model, "rope_index", None))
+    return _evaluate(model, eval_features, args.per_device_eval_batch_size,
+                     None if mm is None else SFTDataCollator(pad_token_id=0, mm=mm))
 
 
 def train_sft(model_dir, tokenizer_dir, data_dir, args: TrainArgs = TrainArgs()) -> SFTResult:
@@ -218,10 +256,12 @@ def train_sft(model_dir, tokenizer_dir, data_dir, args: TrainArgs = TrainArgs())
     start = time.perf_counter()
     train = load_processed_dataset(tokenizer_dir, data_dir, "train", args)
     held_out = load_processed_dataset(tokenizer_dir, data_dir, "eval", args)
-    collate = make_collator(args, tokenizer_dir)
-
     model = load_model(model_dir)
-    eval_loss_before = _evaluate(model, held_out, args.per_device_eval_batch_size)
+    rope_index = getattr(model, "rope_index", None)  # M-RoPE models: LF's collator asks the model for positions
+    collate = make_collator(args, tokenizer_dir, data_dir=data_dir, rope_index=rope_index)
+    mm = collate.mm
+    eval_collate = None if mm is None else SFTDataCollator(pad_token_id=0, mm=mm)
+    eval_loss_before = _evaluate(model, held_out, args.per_device_eval_batch_size, eval_collate)
     inject_lora(model, lora_config(args), args.seed)
     optimizer, scheduler = create_optimizer(model.named_parameters(), args, num_training_steps(len(train), args))
     model.train()
@@ -231,6 +271,6 @@ def train_sft(model_dir, tokenizer_dir, data_dir, args: TrainArgs = TrainArgs())
             batches = [collate([train[i] for i in idx]) for idx in step]
             step_losses.append(_train_step(model, optimizer, scheduler, batches, args.max_grad_norm))
     model.eval()
-    eval_loss_after = _evaluate(model, held_out, args.per_device_eval_batch_size)
+    eval_loss_after = _evaluate(model, held_out, args.per_device_eval_batch_size, eval_collate)
     return SFTResult(step_losses, eval_loss_before, eval_loss_after, lora_state_dict(model),
                      time.perf_counter() - start)
