@@ -30,8 +30,8 @@ from .collator import PairwiseDataCollator, collated_positions
 from .loss import IGNORE_INDEX
 from .lora import disable_adapter, init_lora_tree, lora_state_dict, lora_tree_from_state_dict
 from .processor import preprocess_pairwise_dataset
-from .sft import (CausalLM, TrainArgs, _fixed_tokenizer, _lora_optimizer, load_model, lora_config,
-                  num_training_steps, step_example_indices)
+from .sft import (CausalLM, TrainArgs, _embedded, _fake_image_length, _fixed_tokenizer, _lora_optimizer, load_model,
+                  lora_config, media_dir, multimodal_context, num_training_steps, step_example_indices)
 
 __all__ = ["DPOArgs", "DPOResult", "METRICS", "load_pairwise_dataset", "make_collator", "get_batch_logps",
            "dpo_loss", "concatenated_forward", "reference_log_probs", "batch_loss_metrics",
@@ -71,16 +71,23 @@ class DPOResult:
 
 
 def load_pairwise_dataset(tokenizer_dir, data_dir, split: str, args: DPOArgs) -> list[dict]:
-    """data_dir/{split}.json (alpaca preference rows) through the template and the pairwise processor."""
+    """data_dir/{split}.json (alpaca preference rows, with an `images` column for a vision-language template)
+    through the template and the pairwise processor."""
     template, tokenizer = _fixed_tokenizer(tokenizer_dir, args)
     rows = json.loads((Path(data_dir) / f"{split}.json").read_text())
-    return preprocess_pairwise_dataset(rows, tokenizer, template, args.cutoff_len)
+    return preprocess_pairwise_dataset(rows, tokenizer, template, args.cutoff_len, media_dir(args, data_dir))
 
 
-def make_collator(args: DPOArgs, tokenizer_dir=None, pad_to_length: int | None = None) -> PairwiseDataCollator:
-    """The pairwise collator; pad id = the template-fixed tokenizer's pad, 0 without a tokenizer."""
-    pad_token_id = 0 if tokenizer_dir is None else _fixed_tokenizer(tokenizer_dir, args)[1].pad_token_id
-    return PairwiseDataCollator(pad_token_id=pad_token_id, pad_to_length=pad_to_length)
+def make_collator(args: DPOArgs, tokenizer_dir=None, pad_to_length: int | None = None, data_dir=None,
+                  rope_index=None) -> PairwiseDataCollator:
+    """The pairwise collator; pad id = the template-fixed tokenizer's pad, 0 without a tokenizer. A
+    vision-language template's also reads the rows' images (from data_dir, or args.media_dir) and takes the
+    model's rope_index."""
+    if tokenizer_dir is None:
+        return PairwiseDataCollator(pad_token_id=0, pad_to_length=pad_to_length)
+    return PairwiseDataCollator(pad_token_id=_fixed_tokenizer(tokenizer_dir, args)[1].pad_token_id,
+                                pad_to_length=pad_to_length,
+                                mm=multimodal_context(args, tokenizer_dir, data_dir, rope_index))
 
 
 # ---- the loss (pure jnp) ---------------------------------------------------------------------
@@ -109,9 +116,15 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
 
 def concatenated_forward(module, variables: dict, batch: dict) -> dict:
     """One forward of the 2N collated rows (chosen first) -> chosen/rejected log-probs f32[N], logits
-    f32[N,T,V], and the chosen log-probs per valid token."""
-    positions = collated_positions(batch["attention_mask"])  # torch's batch: its longrope table
-    logits = module.apply(variables, batch["input_ids"], batch["attention_mask"], positions).astype(jnp.float32)
+    f32[N,T,V], and the chosen log-probs per valid token. A vision-language batch brings its M-RoPE positions
+    and the tower's image embeddings; a text batch takes torch's collated positions (its longrope table)."""
+    if "position_ids" in batch:
+        extra = {"image_embeds": batch["image_embeds"]} if "image_embeds" in batch else {}
+        logits = module.apply(variables, batch["input_ids"], batch["attention_mask"], batch["position_ids"], **extra)
+    else:
+        logits = module.apply(variables, batch["input_ids"], batch["attention_mask"],
+                              collated_positions(batch["attention_mask"]))
+    logits = logits.astype(jnp.float32)
     logps, valid = get_batch_logps(logits, batch["labels"])
     n = logits.shape[0] // 2
     return {"chosen_logps": logps[:n], "rejected_logps": logps[n:], "chosen_logits": logits[:n],
@@ -216,15 +229,34 @@ def _pad_pairs(batch: dict, pairs: int, length: int, pad_token_id: int) -> dict[
         out["attention_mask"][rows] = 0
         for k in _FIELDS:
             out[k][rows, :t] = np.asarray(batch[k])[half * n:(half + 1) * n]
+    if "position_ids" in batch:  # M-RoPE positions follow their rows (pads at 0)
+        out["position_ids"] = np.zeros((3, 2 * pairs, length), np.int32)
+        for half in (0, 1):
+            out["position_ids"][:, half * pairs:half * pairs + n, :t] = np.asarray(batch["position_ids"])[
+                :, half * n:(half + 1) * n]
+    if "image_embeds" in batch:  # reading order is kept: filler rows between the halves hold no image token
+        embeds = np.asarray(batch["image_embeds"], np.float32)
+        out["image_embeds"] = np.zeros((2 * pairs * length, embeds.shape[-1]), np.float32)
+        out["image_embeds"][:len(embeds)] = embeds
     out["pair_mask"] = (np.arange(pairs) < n).astype(np.float32)
     out["columns"] = np.int32(max(t, 1))
     return out
 
 
+def _empty_like(batch: dict) -> dict[str, np.ndarray]:
+    """A micro-batch with no pair and batch's keys (a short last step's missing micro-batches)."""
+    empty = {k: np.zeros((0, 0), np.int32) for k in _FIELDS}
+    if "position_ids" in batch:
+        empty["position_ids"] = np.zeros((3, 0, 0), np.int32)
+    if "image_embeds" in batch:
+        empty["image_embeds"] = np.zeros((0, np.shape(batch["image_embeds"])[-1]), np.float32)
+    return empty
+
+
 def _stack_step(micro_batches: list[dict], num_micro: int, pairs: int, length: int,
                 pad_token_id: int) -> dict[str, np.ndarray]:
     """GA collated micro-batches -> stacked padded arrays [num_micro, ...]; missing micro-batches are filler."""
-    empty = {k: np.zeros((0, 0), np.int32) for k in _FIELDS}
+    empty = _empty_like(micro_batches[0])
     padded = [_pad_pairs(b, pairs, length, pad_token_id) for b in micro_batches]
     padded += [_pad_pairs(empty, pairs, length, pad_token_id)] * (num_micro - len(micro_batches))
     out = {k: np.stack([b[k] for b in padded]) for k in padded[0]}
@@ -246,7 +278,7 @@ def _host(metrics: dict) -> dict[str, float]:
 def dpo_step_loss_metrics_and_grads(model: CausalLM, lora_state_dict: dict, micro_batches: list[dict],
                                     args: DPOArgs) -> tuple[float, dict[str, float], dict]:
     """Loss, metrics and LoRA grads ({peft name: array}, torch layout) of one accumulation step, no update."""
-    batches = _stack_step(micro_batches, *_step_shape([micro_batches]), pad_token_id=0)
+    batches = _stack_step([_embedded(model, b) for b in micro_batches], *_step_shape([micro_batches]), pad_token_id=0)
     loss, metrics, grads = _loss_and_grads_fn(model.module, args)(
         model.params, lora_tree_from_state_dict(lora_state_dict), batches)
     return float(loss), _host(metrics), _peft_state_dict(grads)
@@ -258,8 +290,8 @@ def _run_steps(model: CausalLM, lora, tx, steps, args: DPOArgs, pad_token_id: in
     opt_state = tx.init(lora)
     losses, metrics = [], []
     for micro_batches in steps:
-        lora, opt_state, loss, m = step_fn(model.params, lora, opt_state,
-                                           _stack_step(micro_batches, *shape, pad_token_id))
+        batches = _stack_step([_embedded(model, b) for b in micro_batches], *shape, pad_token_id)
+        lora, opt_state, loss, m = step_fn(model.params, lora, opt_state, batches)
         losses.append(loss)  # stays on device: no host sync per step
         metrics.append(m)
     metrics = jax.device_get(metrics)
@@ -277,23 +309,25 @@ def train_steps(model_dir, lora_init_state_dict: dict, step_batches: list[list[d
 
 
 def _evaluate(model: CausalLM, lora, features: list[dict], args: DPOArgs, length: int,
-              pad_token_id: int) -> dict[str, float]:
+              pad_token_id: int, mm=None) -> dict[str, float]:
     """Per eval batch (in order) the loss and METRICS, each then averaged over batches; every batch is
     padded to [2 x eval batch size, length] (one compile) with the training collator's pad id (the
-    logits/* means see the pads)."""
-    collate, size = PairwiseDataCollator(pad_token_id=pad_token_id), args.per_device_eval_batch_size
+    logits/* means see the pads); `mm`: a vision-language task's collator context."""
+    collate, size = PairwiseDataCollator(pad_token_id=pad_token_id, mm=mm), args.per_device_eval_batch_size
     fn = _eval_fn(model.module, args)
-    results = [fn(model.params, lora, _pad_pairs(collate(features[s:s + size]), size, length, pad_token_id))
+    results = [fn(model.params, lora, _pad_pairs(_embedded(model, collate(features[s:s + size])), size, length,
+                                                 pad_token_id))
                for s in range(0, len(features), size)]
     results = jax.device_get(results)
     return {"loss": float(np.mean([loss for loss, _ in results])),
             **{k: float(np.mean([m[k] for _, m in results])) for k in METRICS}}
 
 
-def _bucket_length(features: list[dict]) -> int:
-    """The longest chosen or rejected row, rounded up to a multiple of 8."""
+def _bucket_length(features: list[dict], extra: int = 0) -> int:
+    """The longest chosen or rejected row plus `extra` (LF's fake image on an image-free vision-language batch's
+    first chosen row), rounded up to a multiple of 8."""
     longest = max(len(f[f"{key}_input_ids"]) for f in features for key in ("chosen", "rejected"))
-    return -(-longest // 8) * 8
+    return -(-(longest + extra) // 8) * 8
 
 
 def train_dpo(model_dir, tokenizer_dir, data_dir, args: DPOArgs = DPOArgs()) -> DPOResult:
@@ -301,18 +335,18 @@ def train_dpo(model_dir, tokenizer_dir, data_dir, args: DPOArgs = DPOArgs()) -> 
     start = time.perf_counter()
     train = load_pairwise_dataset(tokenizer_dir, data_dir, "train", args)
     held_out = load_pairwise_dataset(tokenizer_dir, data_dir, "eval", args)
-    length = _bucket_length(train + held_out)  # one static shape for every batch
-    collate = make_collator(args, tokenizer_dir)
-
     model = load_model(model_dir, lora_config(args))
+    # M-RoPE models: LF's collator asks the model for positions
+    collate = make_collator(args, tokenizer_dir, data_dir=data_dir, rope_index=getattr(model.module, "rope_index", None))
+    length = _bucket_length(train + held_out, _fake_image_length(collate.mm))  # one static shape for every batch
     lora = init_lora_tree(model.params, lora_config(args), args.seed)  # lora_B = 0: the policy is the reference
-    eval_before = _evaluate(model, lora, held_out, args, length, collate.pad_token_id)
+    eval_before = _evaluate(model, lora, held_out, args, length, collate.pad_token_id, collate.mm)
     tx = _lora_optimizer(args, num_training_steps(len(train), args))
     steps = ([collate([train[i] for i in idx]) for idx in step]
              for epoch in range(args.num_train_epochs)
              for step in step_example_indices(len(train), args, epoch))
     shape = (args.gradient_accumulation_steps, args.per_device_train_batch_size, length)
     step_losses, step_metrics, lora = _run_steps(model, lora, tx, steps, args, collate.pad_token_id, shape)
-    eval_after = _evaluate(model, lora, held_out, args, length, collate.pad_token_id)
+    eval_after = _evaluate(model, lora, held_out, args, length, collate.pad_token_id, collate.mm)
     return DPOResult(step_losses, step_metrics, eval_before, eval_after, lora_state_dict(lora),
                      time.perf_counter() - start)

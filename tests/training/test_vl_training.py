@@ -12,6 +12,7 @@ import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+from catalog.workloads import rewarded_steps  # noqa: E402
 from jax_oracles.training import dpo as jdpo  # noqa: E402
 from jax_oracles.training import sft as jsft  # noqa: E402
 from torch_sources.training import dpo as tdpo  # noqa: E402
@@ -47,3 +48,22 @@ def test_sft_eval_without_the_images_is_refused():
     with pytest.raises(ValueError, match="image"):
         tsft.load_processed_dataset(TOKENIZER, ROOT / "assets/data/sft_vl", "train",
                                     tsft.TrainArgs(template="qwen", cutoff_len=CUTOFF))
+
+
+def test_dpo_end_to_end_matches():
+    """Reward metrics are compared where the policy has left the reference (catalog.workloads.rewarded_steps: at
+    the init every torch reward is exactly 0, and rounding noise decides the accuracies of those ties)."""
+    kw = dict(template="qwen2_vl", cutoff_len=CUTOFF, num_train_epochs=2)
+    want = tdpo.train_dpo(CKPT, TOKENIZER, ROOT / "assets/data/dpo_vl", tdpo.DPOArgs(**kw))
+    got = jdpo.train_dpo(CKPT, TOKENIZER, ROOT / "assets/data/dpo_vl", jdpo.DPOArgs(**kw))
+    np.testing.assert_allclose(got.step_losses, want.step_losses, rtol=1e-5, atol=1e-6)
+    rewarded = rewarded_steps(want.step_metrics)
+    assert 0 < len(rewarded) < len(want.step_losses)
+    for name in want.step_metrics:
+        steps = rewarded if name.startswith("rewards/") else slice(None)
+        np.testing.assert_allclose(np.asarray(got.step_metrics[name])[steps], np.asarray(want.step_metrics[name])[steps],
+                                   rtol=1e-4, atol=1e-5, err_msg=name)
+    for when in ("eval_before", "eval_after"):
+        w, g = getattr(want, when), getattr(got, when)
+        np.testing.assert_allclose([g[k] for k in w], [w[k] for k in w], rtol=1e-4, atol=1e-5, err_msg=when)
+    assert _max_diff(got.lora_state_dict, want.lora_state_dict) < 1e-5

@@ -37,7 +37,8 @@ from .loss import IGNORE_INDEX
 from .lora import disable_adapter, inject_lora, load_lora_state_dict, lora_state_dict
 from .optimizer import clip_grad_norm, create_optimizer
 from .processor import preprocess_pairwise_dataset
-from .sft import (TrainArgs, _fixed_tokenizer, _lora_grads, load_model, lora_config, num_training_steps,
+from .sft import (TrainArgs, _fixed_tokenizer, _lora_grads, load_model, lora_config, media_dir, model_inputs,
+                  multimodal_context, num_training_steps,
                   step_example_indices)
 
 __all__ = ["DPOArgs", "DPOResult", "METRICS", "load_pairwise_dataset", "make_collator", "get_batch_logps",
@@ -75,17 +76,23 @@ class DPOResult:
 
 
 def load_pairwise_dataset(tokenizer_dir, data_dir, split: str, args: DPOArgs) -> list[dict]:
-    """data_dir/{split}.json (alpaca preference rows) through the template and the pairwise processor."""
+    """data_dir/{split}.json (alpaca preference rows, with an `images` column for a vision-language template)
+    through the template and the pairwise processor."""
     template, tokenizer = _fixed_tokenizer(tokenizer_dir, args)
     rows = json.loads((Path(data_dir) / f"{split}.json").read_text())
-    return preprocess_pairwise_dataset(rows, tokenizer, template, args.cutoff_len)
+    return preprocess_pairwise_dataset(rows, tokenizer, template, args.cutoff_len, media_dir(args, data_dir))
 
 
-def make_collator(args: DPOArgs, tokenizer_dir=None, pad_to_length: int | None = None) -> PairwiseDataCollator:
+def make_collator(args: DPOArgs, tokenizer_dir=None, pad_to_length: int | None = None, data_dir=None,
+                  rope_index=None) -> PairwiseDataCollator:
     """The pairwise collator; pad id = the template-fixed tokenizer's pad, 0 without a tokenizer
-    (pads are masked and unlabelled, so the id never changes a log-prob)."""
-    pad_token_id = 0 if tokenizer_dir is None else _fixed_tokenizer(tokenizer_dir, args)[1].pad_token_id
-    return PairwiseDataCollator(pad_token_id=pad_token_id, pad_to_length=pad_to_length)
+    (pads are masked and unlabelled, so the id never changes a log-prob). A vision-language template's also reads
+    the rows' images (from data_dir, or args.media_dir) and takes the model's rope_index."""
+    if tokenizer_dir is None:
+        return PairwiseDataCollator(pad_token_id=0, pad_to_length=pad_to_length)
+    return PairwiseDataCollator(pad_token_id=_fixed_tokenizer(tokenizer_dir, args)[1].pad_token_id,
+                                pad_to_length=pad_to_length,
+                                mm=multimodal_context(args, tokenizer_dir, data_dir, rope_index))
 
 
 def get_batch_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +119,7 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
 def concatenated_forward(model, batch: dict) -> dict[str, torch.Tensor]:
     """One forward of the 2N collated rows -> chosen/rejected log-probs f32[N], logits f32[N,T,V], and
     the chosen log-probs per valid token (the ftx term's NLL)."""
-    logits = model(batch["input_ids"], batch["attention_mask"]).float()
+    logits = model(batch["input_ids"], batch["attention_mask"], **model_inputs(batch)).float()
     logps, valid_length = get_batch_logps(logits, batch["labels"])
     n = batch["input_ids"].shape[0] // 2
     chosen_logps, rejected_logps = logps.split(n, dim=0)
@@ -144,7 +151,9 @@ def batch_loss_metrics(model, batch: dict, args: DPOArgs) -> tuple[torch.Tensor,
 
 
 def _batch_tensors(batch: dict) -> dict[str, torch.Tensor]:
-    return {k: torch.as_tensor(np.asarray(batch[k]), dtype=torch.long) for k in ("input_ids", "attention_mask", "labels")}
+    """ids, mask and labels as int64 tensors, and a vision-language batch's model inputs (sft.model_inputs)."""
+    ids = {k: torch.as_tensor(np.asarray(batch[k]), dtype=torch.long) for k in ("input_ids", "attention_mask", "labels")}
+    return {**ids, **model_inputs(batch)}
 
 
 def _mean_metrics(per_batch: list[dict[str, float]]) -> dict[str, float]:
@@ -199,11 +208,12 @@ def train_steps(model_dir, lora_init_state_dict: dict, step_batches: list[list[d
 
 
 @torch.no_grad()
-def _evaluate(model, features: list[dict], args: DPOArgs, pad_token_id: int) -> dict[str, float]:
+def _evaluate(model, features: list[dict], args: DPOArgs, pad_token_id: int, mm=None) -> dict[str, float]:
     """HF Trainer.evaluate: per eval batch of per_device_eval_batch_size pairs (in order) the loss and
     METRICS; each is then the mean over batches (every batch weighs the same). The pad id is the
-    training collator's: the logits/* means run over every position, pads included (issue 31)."""
-    collate, size = PairwiseDataCollator(pad_token_id=pad_token_id), args.per_device_eval_batch_size
+    training collator's: the logits/* means run over every position, pads included (issue 31); `mm`: a
+    vision-language task's collator context (its images, LF's fake image)."""
+    collate, size = PairwiseDataCollator(pad_token_id=pad_token_id, mm=mm), args.per_device_eval_batch_size
     losses, metrics = [], []
     for s in range(0, len(features), size):
         loss, m = batch_loss_metrics(model, _batch_tensors(collate(features[s:s + size])), args)
@@ -217,11 +227,11 @@ def train_dpo(model_dir, tokenizer_dir, data_dir, args: DPOArgs = DPOArgs()) -> 
     start = time.perf_counter()
     train = load_pairwise_dataset(tokenizer_dir, data_dir, "train", args)
     held_out = load_pairwise_dataset(tokenizer_dir, data_dir, "eval", args)
-    collate = make_collator(args, tokenizer_dir)
-
     model = load_model(model_dir)
+    # M-RoPE models: LF's collator asks the model for positions
+    collate = make_collator(args, tokenizer_dir, data_dir=data_dir, rope_index=getattr(model, "rope_index", None))
     inject_lora(model, lora_config(args), args.seed)  # lora_B = 0: the policy starts as the reference
-    eval_before = _evaluate(model, held_out, args, collate.pad_token_id)
+    eval_before = _evaluate(model, held_out, args, collate.pad_token_id, collate.mm)
     optimizer, scheduler = create_optimizer(model.named_parameters(), args, num_training_steps(len(train), args))
     model.train()
     step_losses, step_metrics = [], {name: [] for name in METRICS}
@@ -233,6 +243,6 @@ def train_dpo(model_dir, tokenizer_dir, data_dir, args: DPOArgs = DPOArgs()) -> 
             for name in METRICS:
                 step_metrics[name].append(metrics[name])
     model.eval()
-    eval_after = _evaluate(model, held_out, args, collate.pad_token_id)
+    eval_after = _evaluate(model, held_out, args, collate.pad_token_id, collate.mm)
     return DPOResult(step_losses, step_metrics, eval_before, eval_after, lora_state_dict(model),
                      time.perf_counter() - start)
