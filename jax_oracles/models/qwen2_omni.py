@@ -27,7 +27,8 @@ from jax_oracles.models import mrope
 from jax_oracles.models.audio import Qwen2_5OmniAudioConfig, Qwen2_5OmniAudioEncoder
 from jax_oracles.models.config_keys import ALL_FULL, DROPOUT, ConfigError, KeyAudit
 from jax_oracles.models.qwen2 import Qwen2Config
-from jax_oracles.models.qwen2_vl import Qwen2VLTextModel, layer_inputs, merge_image_embeddings, read_text_config
+from jax_oracles.models.qwen2_vl import (LanguageModelView, Qwen2VLTextModel, layer_inputs, merge_image_embeddings,
+                                        read_text_config)
 from jax_oracles.models.vision import Qwen2_5VisionTransformer, Qwen2_5VLVisionConfig
 
 AUTO_MODEL = ("qwen2_5_omni", "Qwen2OmniThinkerForConditionalGeneration")  # HF model_type -> this file's model (models/auto.py finds it here)
@@ -76,7 +77,7 @@ WRAPPER_KEYS = KeyAudit(
 
 
 @dataclass(frozen=True)
-class Qwen2OmniConfig:
+class Qwen2OmniConfig(LanguageModelView):
     text: Qwen2Config
     vision: Qwen2_5VLVisionConfig
     audio: Qwen2_5OmniAudioConfig
@@ -117,22 +118,6 @@ class Qwen2OmniConfig:
     @classmethod
     def from_pretrained(cls, path) -> "Qwen2OmniConfig":
         return cls.from_hf(json.loads((Path(path) / "config.json").read_text()))
-
-    @property
-    def vocab_size(self) -> int:
-        return self.text.vocab_size
-
-    @property
-    def hidden_size(self) -> int:
-        return self.text.hidden_size
-
-    @property
-    def num_hidden_layers(self) -> int:
-        return self.text.num_hidden_layers
-
-    @property
-    def norm_eps(self) -> float:
-        return self.text.rms_norm_eps
 
 
 # ---- operators ------------------------------------------------------------------------------

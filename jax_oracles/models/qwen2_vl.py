@@ -25,7 +25,7 @@ from jax_oracles.models.vision import Qwen2VisionTransformer, Qwen2VLVisionConfi
 
 AUTO_MODEL = ("qwen2_vl", "Qwen2VLForConditionalGeneration")  # HF model_type -> this file's model (models/auto.py finds it here)
 __all__ = [
-    "CONFIG_KEYS", "TEXT_KEYS", "Qwen2VLConfig", "read_text_config",
+    "CONFIG_KEYS", "TEXT_KEYS", "LanguageModelView", "Qwen2VLConfig", "read_text_config",
     "layer_inputs", "merge_image_embeddings",
     "Qwen2VLTextModel", "Qwen2VLForConditionalGeneration",
 ]
@@ -88,8 +88,28 @@ def read_text_config(d: dict, what: str) -> tuple[Qwen2Config, tuple[int, int, i
     return text, tuple(int(s) for s in section)
 
 
+class LanguageModelView:
+    """The family-neutral names the generic checks read, off a vision-language config's language model (`text`)."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text.hidden_size
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.text.num_hidden_layers
+
+    @property
+    def norm_eps(self) -> float:
+        return self.text.rms_norm_eps
+
+
 @dataclass(frozen=True)
-class Qwen2VLConfig:
+class Qwen2VLConfig(LanguageModelView):
     text: Qwen2Config
     vision: Qwen2VLVisionConfig
     mrope_section: tuple[int, int, int]
@@ -115,22 +135,6 @@ class Qwen2VLConfig:
     @classmethod
     def from_pretrained(cls, path) -> "Qwen2VLConfig":
         return cls.from_hf(json.loads((Path(path) / "config.json").read_text()))
-
-    @property
-    def vocab_size(self) -> int:
-        return self.text.vocab_size
-
-    @property
-    def hidden_size(self) -> int:
-        return self.text.hidden_size
-
-    @property
-    def num_hidden_layers(self) -> int:
-        return self.text.num_hidden_layers
-
-    @property
-    def norm_eps(self) -> float:
-        return self.text.rms_norm_eps
 
 
 # ---- operators ------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import numpy as np
 from jax_oracles.models import mrope, rope
 from jax_oracles.models.config_keys import DROPOUT, ConfigError, KeyAudit
 from jax_oracles.models.layers import LayerInputs, RMSNorm, causal_mask
-from jax_oracles.models.qwen2_vl import merge_image_embeddings
+from jax_oracles.models.qwen2_vl import LanguageModelView, merge_image_embeddings
 from jax_oracles.models.qwen3 import Qwen3Config, Qwen3DecoderLayer
 from jax_oracles.models.vision import Qwen3VisionTransformer, Qwen3VLVisionConfig
 
@@ -93,7 +93,7 @@ def read_text_config(d: dict, what: str) -> tuple[Qwen3Config, tuple[int, int, i
 
 
 @dataclass(frozen=True)
-class Qwen3VLConfig:
+class Qwen3VLConfig(LanguageModelView):
     text: Qwen3Config
     vision: Qwen3VLVisionConfig
     mrope_section: tuple[int, int, int]
@@ -120,22 +120,6 @@ class Qwen3VLConfig:
     @classmethod
     def from_pretrained(cls, path) -> "Qwen3VLConfig":
         return cls.from_hf(json.loads((Path(path) / "config.json").read_text()))
-
-    @property
-    def vocab_size(self) -> int:
-        return self.text.vocab_size
-
-    @property
-    def hidden_size(self) -> int:
-        return self.text.hidden_size
-
-    @property
-    def num_hidden_layers(self) -> int:
-        return self.text.num_hidden_layers
-
-    @property
-    def norm_eps(self) -> float:
-        return self.text.rms_norm_eps
 
 
 # ---- operators ------------------------------------------------------------------------------

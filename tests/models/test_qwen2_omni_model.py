@@ -30,6 +30,10 @@ from torch_sources.models.config_keys import ConfigError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
+
+def smoke_first(names):  # the first batch in CI (make test), the others in make test-full
+    return [n if i == 0 else pytest.param(n, marks=pytest.mark.slow) for i, n in enumerate(names)]
+
 ROOT = Path(__file__).resolve().parents[2]
 CKPT = ROOT / "assets/checkpoints/qwen2_omni"
 TORCH_TOL, JAX_TOL = 1e-5, 1e-4
@@ -92,7 +96,7 @@ def _torch_logits(model, ids, mask, pixels, grid, **extra):
                      image_grid_thw=_t(grid), **extra)  # by keyword: transformers' second parameter is the audio
 
 
-@pytest.mark.parametrize("name", sorted(BATCHES))
+@pytest.mark.parametrize("name", smoke_first(sorted(BATCHES)))
 def test_source_matches_transformers(models, name):
     hf, src, _, _ = models
     ids, mask, pixels, grid = BATCHES[name]
@@ -107,7 +111,7 @@ def test_source_matches_transformers(models, name):
         np.testing.assert_array_equal(again.numpy(), got)
 
 
-@pytest.mark.parametrize("name", sorted(BATCHES))
+@pytest.mark.parametrize("name", smoke_first(sorted(BATCHES)))
 def test_jax_matches_source(models, name):
     _, src, params, model = models
     ids, mask, pixels, grid = BATCHES[name]
@@ -118,6 +122,7 @@ def test_jax_matches_source(models, name):
     assert np.abs(got - want).max() <= JAX_TOL
 
 
+@pytest.mark.slow
 def test_pixel_gradient_matches(models):
     """The gradient of a loss on the logits with respect to the pixel values: image content flowing through the
     windowed tower, the merge and the attended language model into one number, on both sides."""

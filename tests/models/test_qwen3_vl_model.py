@@ -26,6 +26,10 @@ from torch_sources.models.config_keys import ConfigError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
+
+def smoke_first(names):  # the first batch in CI (make test), the others in make test-full
+    return [n if i == 0 else pytest.param(n, marks=pytest.mark.slow) for i, n in enumerate(names)]
+
 ROOT = Path(__file__).resolve().parents[2]
 CKPT = ROOT / "assets/checkpoints/qwen3_vl"
 TORCH_TOL, JAX_TOL = 1e-5, 1e-4
@@ -87,7 +91,7 @@ def _jax_model():
     return jq.Qwen3VLForConditionalGeneration(jq.Qwen3VLConfig.from_pretrained(CKPT))
 
 
-@pytest.mark.parametrize("name", sorted(BATCHES))
+@pytest.mark.parametrize("name", smoke_first(sorted(BATCHES)))
 def test_source_matches_transformers(models, name):
     hf, src, _ = models
     ids, mask, pixels, grid = BATCHES[name]
@@ -97,7 +101,7 @@ def test_source_matches_transformers(models, name):
     assert np.abs(got - want)[real].max() <= TORCH_TOL * max(1.0, np.abs(want).max())
 
 
-@pytest.mark.parametrize("name", sorted(BATCHES))
+@pytest.mark.parametrize("name", smoke_first(sorted(BATCHES)))
 def test_jax_matches_source(models, name):
     _, src, params = models
     ids, mask, pixels, grid = BATCHES[name]
@@ -121,6 +125,7 @@ def test_text_only_batch_matches(models):
     assert np.abs(np.asarray(_jax_model().apply({"params": params}, ids, mask)) - got).max() <= JAX_TOL
 
 
+@pytest.mark.slow
 def test_pixel_gradient_matches(models):
     """The gradient of a loss on the logits with respect to the pixel values: image content flowing through the
     tower, its deepstack mergers, the merge, the injections and the attended language model into one number."""

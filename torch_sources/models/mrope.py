@@ -137,8 +137,9 @@ def get_rope_index_omni(input_ids, image_grid_thw, attention_mask, *, image_toke
                         vision_start_token_id: int, video_token_id: int, audio_token_id: int,
                         audio_start_token_id: int, spatial_merge_size: int):
     """Qwen2.5-Omni's thinker, images only: input_ids i64[B,T], image_grid_thw i64[I,3] (or None: the
-    text-only path), attention_mask {0,1}[B,T] (or None: all real, which is what the thinker's forward
-    does without a mask) -> (position_ids i64[3,B,T], rope_deltas i64[B,1])."""
+    text-only path), attention_mask {0,1}[B,T] (or None: every token real; transformers' thinker forward
+    without a mask skips this index and counts 0..T-1 on all three rows instead, which differs once an image is
+    present) -> (position_ids i64[3,B,T], rope_deltas i64[B,1])."""
     B, T = input_ids.shape
     for name, tok in (("video", video_token_id), ("audio", audio_token_id), ("audio_start", audio_start_token_id)):
         if bool((input_ids == tok).any()):

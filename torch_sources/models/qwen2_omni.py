@@ -29,7 +29,8 @@ from torch_sources.models.audio import Qwen2_5OmniAudioConfig, Qwen2_5OmniAudioE
 from torch_sources.models.config_keys import ALL_FULL, DROPOUT, ConfigError, KeyAudit
 from torch_sources.models.loading import iter_tensors, load_config
 from torch_sources.models.qwen2 import Qwen2Config
-from torch_sources.models.qwen2_vl import Qwen2VLTextModel, layer_inputs, merge_image_embeddings, read_text_config
+from torch_sources.models.qwen2_vl import (LanguageModelView, Qwen2VLTextModel, layer_inputs, merge_image_embeddings,
+                                          read_text_config)
 from torch_sources.models.vision import Qwen2_5VisionTransformer, Qwen2_5VLVisionConfig
 
 AUTO_MODEL = ("qwen2_5_omni", "Qwen2OmniThinkerForConditionalGeneration")  # HF model_type -> this file's model (models/auto.py finds it here)
@@ -78,7 +79,7 @@ WRAPPER_KEYS = KeyAudit(
 
 
 @dataclass(frozen=True)
-class Qwen2OmniConfig:
+class Qwen2OmniConfig(LanguageModelView):
     text: Qwen2Config
     vision: Qwen2_5VLVisionConfig
     audio: Qwen2_5OmniAudioConfig
@@ -119,22 +120,6 @@ class Qwen2OmniConfig:
     @classmethod
     def from_pretrained(cls, path) -> "Qwen2OmniConfig":
         return cls.from_hf(load_config(path))
-
-    @property
-    def vocab_size(self) -> int:
-        return self.text.vocab_size
-
-    @property
-    def hidden_size(self) -> int:
-        return self.text.hidden_size
-
-    @property
-    def num_hidden_layers(self) -> int:
-        return self.text.num_hidden_layers
-
-    @property
-    def norm_eps(self) -> float:
-        return self.text.rms_norm_eps
 
 
 def thinker_state(named_tensors):

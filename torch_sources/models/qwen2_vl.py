@@ -24,7 +24,7 @@ from torch_sources.models.vision import Qwen2VisionTransformer, Qwen2VLVisionCon
 
 AUTO_MODEL = ("qwen2_vl", "Qwen2VLForConditionalGeneration")  # HF model_type -> this file's model (models/auto.py finds it here)
 __all__ = [
-    "CONFIG_KEYS", "TEXT_KEYS", "Qwen2VLConfig", "read_text_config",
+    "CONFIG_KEYS", "TEXT_KEYS", "LanguageModelView", "Qwen2VLConfig", "read_text_config",
     "layer_inputs", "merge_image_embeddings",
     "Qwen2VLTextModel", "Qwen2VLForConditionalGeneration",
 ]
@@ -87,8 +87,28 @@ def read_text_config(d: dict, what: str) -> tuple[Qwen2Config, tuple[int, int, i
     return text, tuple(int(s) for s in section)
 
 
+class LanguageModelView:
+    """The family-neutral names the generic checks read, off a vision-language config's language model (`text`)."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text.hidden_size
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.text.num_hidden_layers
+
+    @property
+    def norm_eps(self) -> float:
+        return self.text.rms_norm_eps
+
+
 @dataclass(frozen=True)
-class Qwen2VLConfig:
+class Qwen2VLConfig(LanguageModelView):
     text: Qwen2Config
     vision: Qwen2VLVisionConfig
     mrope_section: tuple[int, int, int]
@@ -114,22 +134,6 @@ class Qwen2VLConfig:
     @classmethod
     def from_pretrained(cls, path) -> "Qwen2VLConfig":
         return cls.from_hf(load_config(path))
-
-    @property
-    def vocab_size(self) -> int:
-        return self.text.vocab_size
-
-    @property
-    def hidden_size(self) -> int:
-        return self.text.hidden_size
-
-    @property
-    def num_hidden_layers(self) -> int:
-        return self.text.num_hidden_layers
-
-    @property
-    def norm_eps(self) -> float:
-        return self.text.rms_norm_eps
 
 
 # ---- operators ------------------------------------------------------------------------------
