@@ -94,3 +94,36 @@ def test_gemma4_lists_every_key_of_its_config_class():
     from dataclasses import fields
     listed = {f.name for f in fields(tm.Gemma4TextConfig)} | tm.HEAD_SHAPE_KEYS | tm.NO_MATH_KEYS
     assert _hf_keys("Gemma4TextConfig") - listed == set()
+
+
+# The staged vision-language families (docs/FAMILIES.md): each audit against the transformers config class whose keys
+# it reads, (module, audit name, transformers config class path)
+VL_AUDITS = [
+    ("qwen2_vl", "TEXT_KEYS", "models.qwen2_vl.configuration_qwen2_vl.Qwen2VLTextConfig"),
+    ("qwen2_vl", "CONFIG_KEYS", "models.qwen2_vl.configuration_qwen2_vl.Qwen2VLConfig"),
+    ("vision", "QWEN2_VL_KEYS", "models.qwen2_vl.configuration_qwen2_vl.Qwen2VLVisionConfig"),
+    ("qwen3_vl", "TEXT_KEYS", "models.qwen3_vl.configuration_qwen3_vl.Qwen3VLTextConfig"),
+    ("qwen3_vl", "CONFIG_KEYS", "models.qwen3_vl.configuration_qwen3_vl.Qwen3VLConfig"),
+    ("vision", "QWEN3_VL_KEYS", "models.qwen3_vl.configuration_qwen3_vl.Qwen3VLVisionConfig"),
+    ("vision", "QWEN2_5_VL_KEYS", "models.qwen2_5_vl.configuration_qwen2_5_vl.Qwen2_5_VLVisionConfig"),
+    ("vision", "QWEN2_5_VL_KEYS", "models.qwen2_5_omni.configuration_qwen2_5_omni.Qwen2_5OmniVisionEncoderConfig"),
+    ("qwen2_omni", "TEXT_KEYS", "models.qwen2_5_omni.configuration_qwen2_5_omni.Qwen2_5OmniTextConfig"),
+    ("qwen2_omni", "CONFIG_KEYS", "models.qwen2_5_omni.configuration_qwen2_5_omni.Qwen2_5OmniThinkerConfig"),
+    ("qwen2_omni", "WRAPPER_KEYS", "models.qwen2_5_omni.configuration_qwen2_5_omni.Qwen2_5OmniConfig"),
+    ("audio", "AUDIO_KEYS", "models.qwen2_5_omni.configuration_qwen2_5_omni.Qwen2_5OmniAudioEncoderConfig"),
+]
+
+
+@pytest.mark.parametrize("module, audit, config_class", VL_AUDITS, ids=[f"{m}.{a}:{c.rsplit('.', 1)[1]}" for m, a, c in VL_AUDITS])
+def test_vision_language_audits_cover_transformers(module, audit, config_class):
+    """Every key transformers' config class saves is in the audit (honored, ignored with why, or refused), and the
+    torch and JAX audits are the same lists."""
+    mod_path, cls_name = config_class.rsplit(".", 1)
+    cls = getattr(importlib.import_module(f"transformers.{mod_path}"), cls_name)
+    t, j = (getattr(_module(side, module), audit) for side in ("torch", "jax"))
+    assert (t.family, set(t.honored), dict(t.ignored)) == (j.family, set(j.honored), dict(j.ignored))
+    assert {k: (tuple(map(repr, a)), w) for k, (a, w) in t.refused.items()} == \
+        {k: (tuple(map(repr, a)), w) for k, (a, w) in j.refused.items()}
+    assert set(cls().to_dict()) - t.keys == set(), f"{audit}: keys neither honored, ignored nor refused"
+    for key, why in t.ignored.items():
+        assert why.strip(), f"{audit}: {key} ignored without a reason"
