@@ -10,6 +10,16 @@ trimming rule computed on device. One jitted, donated PPO step holds TRL's whole
 reference passes, rewards, GAE (a reverse lax.scan), whitening, then ppo_epochs x mini-batches as a
 lax.scan whose body accumulates GA mini-batch grads and applies clip + AdamW. The learning rate is the
 PPO step's (the schedule steps once per PPO step, not per optimizer update), passed in as a scalar.
+
+Vision-language policies (qwen2_vl and kin): the torch twin's docstring says why LF 0.9.5's own PPO cannot run
+them and what its VL path is (LF's PPO with the multimodal collator's inputs passed where a VL model needs them;
+the fake image kept out of the queries). Here the frozen tower runs once per image outside the jit (sft.
+encode_images, a compile per image grid); its merged embeddings travel per token (token_embeds f32[B,T,D], read
+at the image tokens: a generated image-pad token reads the token's text embedding), with the prompt's M-RoPE
+positions [B,3,P] and rope deltas [B]. Generation keeps its lax.scan on the fixed buffer, positions [3,B,P+N]
+(the prompt's, then each new token's text position + the row's delta); the rollout batch carries row_positions
+i32[B,3,W] (the query's, then text continuing: the rope index of query + response) and token_embeds f32[B,W,D],
+per row, so the step's mini-batch permutations take them along. The reward model scores the ids as before.
 """
 
 from __future__ import annotations
@@ -32,13 +42,15 @@ from .collator import PromptDataCollator
 from .lora import init_lora_tree, lora_state_dict, lora_tree_from_state_dict
 from .optimizer import LR_MULTIPLIERS, _decay_mask, clip_grad_norm, get_warmup_steps
 from .processor import preprocess_unsupervised_dataset
-from .sft import CausalLM, TrainArgs, _fixed_tokenizer, load_model, lora_config
+from .collator import MultimodalContext
+from .sft import (CausalLM, TrainArgs, _fake_image_length, _fixed_tokenizer, encode_images, load_model, lora_config,
+                  media_dir, multimodal_context)
 
 __all__ = ["PPOArgs", "PPOResult", "STATS", "VALUE_HEAD_FILE", "load_prompt_dataset", "make_collator",
            "prompt_batch_indices", "num_training_steps", "init_value_head", "value_head",
            "CausalLMWithValueHead", "load_policy", "load_reward_model", "value_head_state_dict",
            "load_value_head_state_dict", "generation_ids", "rollout_noise", "eval_noise", "warp_logits", "sample_next_tokens",
-           "generate", "trim_rollouts", "prepare_model_inputs", "get_rewards", "logprobs_from_logits",
+           "prompt_vision", "generate", "trim_rollouts", "prepare_model_inputs", "get_rewards", "logprobs_from_logits",
            "batched_forward_pass", "masked_mean", "masked_var", "masked_whiten", "compute_rewards",
            "compute_advantages", "ppo_loss", "AdaptiveKLController", "FixedKLController", "ppo_step",
            "ppo_step_loss_and_grads", "rollout", "train_steps", "evaluate_reward", "train_ppo"]
@@ -111,14 +123,20 @@ class PPOResult:
 # ---- data --------------------------------------------------------------------------------------
 
 def load_prompt_dataset(tokenizer_dir, data_dir, split: str, args: PPOArgs) -> list[dict]:
+    """data_dir/{split}.json (alpaca rows, with `images` for a VL template) through the unsupervised processor."""
     template, tokenizer = _fixed_tokenizer(tokenizer_dir, args)
     rows = json.loads((Path(data_dir) / f"{split}.json").read_text())
-    return preprocess_unsupervised_dataset(rows, tokenizer, template, args.cutoff_len)
+    return preprocess_unsupervised_dataset(rows, tokenizer, template, args.cutoff_len, media_dir(args, data_dir))
 
 
-def make_collator(args: PPOArgs, tokenizer_dir=None, pad_to_length: int | None = None) -> PromptDataCollator:
-    pad_token_id = 0 if tokenizer_dir is None else _fixed_tokenizer(tokenizer_dir, args)[1].pad_token_id
-    return PromptDataCollator(pad_token_id=pad_token_id, pad_to_length=pad_to_length)
+def make_collator(args: PPOArgs, tokenizer_dir=None, pad_to_length: int | None = None, data_dir=None,
+                  rope_index=None) -> PromptDataCollator:
+    """The prompt collator; a VL template's also reads the rows' images and takes the model's rope_index."""
+    if tokenizer_dir is None:
+        return PromptDataCollator(pad_token_id=0, pad_to_length=pad_to_length)
+    return PromptDataCollator(pad_token_id=_fixed_tokenizer(tokenizer_dir, args)[1].pad_token_id,
+                              pad_to_length=pad_to_length,
+                              mm=multimodal_context(args, tokenizer_dir, data_dir, rope_index))
 
 
 def generation_ids(tokenizer_dir, args: PPOArgs) -> tuple[tuple[int, ...], int]:
@@ -173,13 +191,14 @@ class CausalLMWithValueHead:
     module: object
     params: dict
 
-    def apply(self, lora, v_head, input_ids, attention_mask, position_ids=None):
-        return _forward(self.module, self.params, lora, v_head, input_ids, attention_mask, position_ids)
+    def apply(self, lora, v_head, input_ids, attention_mask, position_ids=None, image_embeds=None):
+        return _forward(self.module, self.params, lora, v_head, input_ids, attention_mask, position_ids, image_embeds)
 
 
-def _forward(module, params, lora, v_head, input_ids, attention_mask, position_ids=None):
+def _forward(module, params, lora, v_head, input_ids, attention_mask, position_ids=None, image_embeds=None):
     variables = {"params": params} if lora is None else {"params": params, "lora": lora}
-    logits, hidden = module.apply(variables, input_ids, attention_mask, position_ids, return_hidden=True)
+    extra = {} if image_embeds is None else {"image_embeds": image_embeds}  # a VL model's merged patches
+    logits, hidden = module.apply(variables, input_ids, attention_mask, position_ids, return_hidden=True, **extra)
     return logits.astype(jnp.float32), value_head(hidden, v_head["summary"]["weight"], v_head["summary"]["bias"])
 
 
@@ -235,7 +254,33 @@ def sample_next_tokens(logits, noise, args: PPOArgs):
     return jnp.argmax(jax.nn.softmax(warp_logits(logits, args), axis=-1) / noise, axis=-1).astype(jnp.int32)
 
 
-def _generate(module, args, eos_token_ids, pad_token_id, params, lora, input_ids, attention_mask, noise):
+def _image_token_text_embedding(module, params):  # -> f32[D]
+    """The image-pad token's own (text) embedding: what a generated image-pad token is embedded as."""
+    return params["model"]["embed_tokens"]["embedding"][module.config.image_token_id]
+
+
+def _image_embeds(module, input_ids, token_embeds):  # i32[B,T], f32[B,T,D] -> f32[B*T,D]
+    """The forward's image_embeds: row k = the token embedding at the k-th image token in reading order (the rows
+    past the image tokens' count are never read)."""
+    flat = (input_ids == module.config.image_token_id).reshape(-1)
+    (where,) = jnp.nonzero(flat, size=flat.shape[0], fill_value=0)
+    return token_embeds.reshape(flat.shape[0], -1)[where]
+
+
+def prompt_vision(policy: CausalLMWithValueHead, batch: dict) -> dict | None:
+    """A collated VL prompt batch -> {positions i32[B,3,P], rope_deltas i32[B], token_embeds f32[B,P,D]: the frozen
+    tower's merged embeddings at the image tokens (encode_images, outside the jit), 0 elsewhere}; None for text."""
+    if "pixel_values" not in batch:
+        return None
+    embeds = encode_images(policy, batch["pixel_values"], batch["image_grid_thw"])
+    ids = np.asarray(batch["input_ids"])
+    token_embeds = np.zeros((*ids.shape, embeds.shape[-1]), np.float32)
+    token_embeds[ids == policy.module.config.image_token_id] = embeds
+    return {"positions": np.asarray(batch["position_ids"], np.int32).transpose(1, 0, 2),
+            "rope_deltas": np.asarray(batch["rope_deltas"], np.int32)[:, 0], "token_embeds": token_embeds}
+
+
+def _generate(module, args, eos_token_ids, pad_token_id, params, lora, input_ids, attention_mask, noise, vision=None):
     """lax.scan over max_new_tokens on the fixed buffer [B, P + N]; see `generate`."""
     B, P = input_ids.shape
     N = args.max_new_tokens
@@ -243,11 +288,22 @@ def _generate(module, args, eos_token_ids, pad_token_id, params, lora, input_ids
     mask = jnp.concatenate([attention_mask, jnp.zeros((B, N), jnp.int32)], axis=1)
     eos = jnp.asarray(eos_token_ids, jnp.int32)
     variables = {"params": params, "lora": lora}
+    if vision is not None:  # new tokens read the image-pad text embedding (only an image-pad token reads it)
+        text = _image_token_text_embedding(module, params)
+        token_embeds = jnp.concatenate([vision["token_embeds"], jnp.broadcast_to(text, (B, N, text.shape[-1]))], axis=1)
+
+    def forward(ids, mask):
+        if vision is None:
+            position_ids = jnp.where(mask == 0, 1, jnp.cumsum(mask, axis=-1) - 1)
+            return module.apply(variables, ids, mask, position_ids)
+        decode = jnp.where(mask == 0, 0, jnp.cumsum(mask, axis=-1) - 1) + vision["rope_deltas"][:, None]
+        position_ids = jnp.concatenate([jnp.transpose(vision["positions"], (1, 0, 2)),
+                                        jnp.broadcast_to(decode[None, :, P:], (3, B, N))], axis=2)
+        return module.apply(variables, ids, mask, position_ids, image_embeds=_image_embeds(module, ids, token_embeds))
 
     def body(carry, t):
         ids, mask, finished = carry
-        position_ids = jnp.where(mask == 0, 1, jnp.cumsum(mask, axis=-1) - 1)
-        logits = module.apply(variables, ids, mask, position_ids)
+        logits = forward(ids, mask)
         last = jax.lax.dynamic_index_in_dim(logits, P + t - 1, axis=1, keepdims=False).astype(jnp.float32)
         token = sample_next_tokens(last, noise[:, t], args)
         token = jnp.where(finished, pad_token_id, token)
@@ -260,20 +316,22 @@ def _generate(module, args, eos_token_ids, pad_token_id, params, lora, input_ids
     return tokens.T
 
 
-def _generate_by_mini_batch(module, args, eos_token_ids, pad_token_id, params, lora, input_ids, attention_mask, noise):
+def _generate_by_mini_batch(module, args, eos_token_ids, pad_token_id, params, lora, input_ids, attention_mask, noise,
+                            vision=None):
     """TRL generates mini_batch_size rows at a time. The rows are independent for every RoPE but longrope,
     whose table follows the largest position of each forward: so the rows are generated in torch's groups
-    (one lax.map over equal groups; a smaller last group, as torch's, in its own call)."""
+    (one lax.map over equal groups; a smaller last group, as torch's, in its own call). vision: per row."""
     B, mb = input_ids.shape[0], args.mini_batch_size
     gen = functools.partial(_generate, module, args, eos_token_ids, pad_token_id, params, lora)
+    rows = (input_ids, attention_mask, noise, vision)
     if mb >= B:
-        return gen(input_ids, attention_mask, noise)
+        return gen(*rows)
     full = B - B % mb
-    groups = (input_ids[:full], attention_mask[:full], noise[:full])
-    tokens = jax.lax.map(lambda g: gen(*g), tuple(x.reshape(full // mb, mb, *x.shape[1:]) for x in groups))
+    groups = jax.tree.map(lambda x: x[:full].reshape(full // mb, mb, *x.shape[1:]), rows)
+    tokens = jax.lax.map(lambda g: gen(*g), groups)
     tokens = tokens.reshape(full, -1)
     if full < B:
-        tokens = jnp.concatenate([tokens, gen(input_ids[full:], attention_mask[full:], noise[full:])])
+        tokens = jnp.concatenate([tokens, gen(*jax.tree.map(lambda x: x[full:], rows))])
     return tokens
 
 
@@ -283,18 +341,20 @@ def _generate_fn(module, args, eos_token_ids, pad_token_id):
 
 
 def generate(policy: CausalLMWithValueHead, lora, input_ids, attention_mask, noise, args: PPOArgs,
-             eos_token_ids, pad_token_id: int):
+             eos_token_ids, pad_token_id: int, vision: dict | None = None):
     """HF generate (do_sample, the exponential race over noise f32[B, N, V]) from left-padded prompts i32[B,P]
-    -> i32[B, max_new_tokens], pad after a row's eos; positions are the mask cumsum - 1 (1 on pads)."""
+    -> i32[B, max_new_tokens], pad after a row's eos; positions are the mask cumsum - 1 (1 on pads). vision
+    (prompt_vision's): the prompt's image embeddings and M-RoPE positions, new tokens at text position + delta."""
     fn = _generate_fn(policy.module, args, tuple(int(e) for e in eos_token_ids), int(pad_token_id))
     return fn(policy.params, lora, jnp.asarray(input_ids, jnp.int32), jnp.asarray(attention_mask, jnp.int32),
-              jnp.asarray(noise))
+              jnp.asarray(noise), None if vision is None else {k: jnp.asarray(v) for k, v in vision.items()})
 
 
-def _rollout_lengths(query_ids, response_ids, pad_token_id: int, eos_token_id: int):
-    """LF's trimming rule as lengths: (query start i32[B], query length, response length)."""
+def _rollout_lengths(query_ids, response_ids, pad_token_id: int, eos_token_id: int, attention_mask=None):
+    """LF's trimming rule as lengths: (query start i32[B], query length, response length). attention_mask (a VL
+    batch's): each query starts at its first attended token (LF's fake image stays out)."""
     P, N = query_ids.shape[1], response_ids.shape[1]
-    start = jnp.argmax(query_ids != pad_token_id, axis=-1)
+    start = jnp.argmax((query_ids != pad_token_id) if attention_mask is None else (attention_mask != 0), axis=-1)
     kept = response_ids != pad_token_id
     last = N - 1 - jnp.argmax(kept[:, ::-1], axis=-1)
     extra = 2 if eos_token_id == pad_token_id else 1
@@ -320,6 +380,22 @@ def _model_inputs(query_ids, start, query_len, response_ids, response_len, pad_t
     total = (query_len + response_len)[:, None]
     ids = jnp.where(j < query_len[:, None], from_query, jnp.where(j < total, from_response, pad_token_id))
     return {"input_ids": ids.astype(jnp.int32), "attention_mask": (j < total).astype(jnp.int32)}
+
+
+def _vision_inputs(vision, start, query_len, response_len, width: int, text_embedding):
+    """A VL rollout batch's per-row inputs of query + response [B, width]: row_positions i32[B,3,W] (the query's
+    prompt positions, then text: column j at j + delta; pads 0) and token_embeds f32[B,W,D] (the query's; the
+    image-pad text embedding past it)."""
+    P = vision["token_embeds"].shape[1]
+    j = jnp.arange(width)[None]
+    src = jnp.clip(start[:, None] + j, 0, P - 1)
+    in_query, in_row = j < query_len[:, None], j < (query_len + response_len)[:, None]
+    query_positions = jnp.take_along_axis(vision["positions"], src[:, None, :], axis=2)
+    text = jnp.where(in_row, j + vision["rope_deltas"][:, None], 0)
+    positions = jnp.where(in_query[:, None], query_positions, text[:, None])
+    query_embeds = jnp.take_along_axis(vision["token_embeds"], src[..., None], axis=1)
+    return {"row_positions": positions.astype(jnp.int32),
+            "token_embeds": jnp.where(in_query[..., None], query_embeds, text_embedding)}
 
 
 def prepare_model_inputs(queries, responses, pad_token_id: int, width: int | None = None) -> dict[str, np.ndarray]:
@@ -370,7 +446,11 @@ def batched_forward_pass(policy: CausalLMWithValueHead, lora, v_head, model_inpu
     """(logprobs f32[B,W-1], logits f32[B,W-1,V] or None, values f32[B,W-1], masks f32[B,W-1]) of right-padded
     inputs; lora None = the reference (adapter disabled)."""
     ids, mask = model_inputs["input_ids"], model_inputs["attention_mask"]
-    logits, values = policy.apply(lora, v_head, ids, mask, model_inputs.get("position_ids"))
+    if "row_positions" in model_inputs:  # a VL batch: its M-RoPE positions and image embeddings
+        logits, values = policy.apply(lora, v_head, ids, mask, jnp.transpose(model_inputs["row_positions"], (1, 0, 2)),
+                                      _image_embeds(policy.module, ids, model_inputs["token_embeds"]))
+    else:
+        logits, values = policy.apply(lora, v_head, ids, mask, model_inputs.get("position_ids"))
     logprobs = logprobs_from_logits(logits[:, :-1], ids[:, 1:])
     return (logprobs, logits[:, :-1] if return_logits else None, values[:, :-1],
             _response_masks(mask, query_len, response_len))
@@ -485,8 +565,9 @@ def _step_batch(policy, args, lora, v_head, batch, kl_coef):
     """The no-grad half of the step on a rollout batch {input_ids, attention_mask, query_len, response_len,
     scores} -> every per-token tensor TRL keeps. Every forward of the step (here and in the mini-batches)
     sees torch's positions: its rows are right-padded to the longest of the whole batch."""
-    batch = {**batch, "position_ids": padded_positions(batch["attention_mask"],
-                                                       jnp.max(batch["query_len"] + batch["response_len"]))}
+    if "row_positions" not in batch:  # a VL batch brings its M-RoPE positions
+        batch = {**batch, "position_ids": padded_positions(batch["attention_mask"],
+                                                           jnp.max(batch["query_len"] + batch["response_len"]))}
     logprobs, _, values, masks = batched_forward_pass(policy, lora, v_head, batch, batch["query_len"],
                                                       batch["response_len"])
     ref_logprobs, _, _, _ = batched_forward_pass(policy, None, v_head, batch, batch["query_len"],
@@ -602,15 +683,20 @@ def ppo_step_loss_and_grads(policy, trainable, batch: dict, args: PPOArgs, kl_co
 # ---- the loop ----------------------------------------------------------------------------------
 
 def _rollout(module, reward_module, args, eos_token_ids, pad_token_id, params, lora, reward_params,
-             reward_v_head, prompt_ids, prompt_mask, noise):
+             reward_v_head, prompt_ids, prompt_mask, noise, vision=None):
     reward = CausalLMWithValueHead(reward_module, reward_params)
     responses = _generate_by_mini_batch(module, args, eos_token_ids, pad_token_id, params, lora, prompt_ids,
-                                        prompt_mask, noise)
-    start, query_len, response_len = _rollout_lengths(prompt_ids, responses, pad_token_id, eos_token_ids[0])
+                                        prompt_mask, noise, vision)
+    start, query_len, response_len = _rollout_lengths(prompt_ids, responses, pad_token_id, eos_token_ids[0],
+                                                      None if vision is None else prompt_mask)
     inputs = _model_inputs(prompt_ids, start, query_len, responses, response_len, pad_token_id)
+    if vision is not None:  # the reward model (text) reads the ids only
+        inputs_vl = _vision_inputs(vision, start, query_len, response_len, inputs["input_ids"].shape[1],
+                                   _image_token_text_embedding(module, params))
     cut = jnp.where(jnp.arange(responses.shape[1])[None] < response_len[:, None], responses, -1)
-    return {**inputs, "query_len": query_len, "response_len": response_len,
-            "scores": _scores(reward, reward_v_head, inputs)}, cut
+    batch = {**inputs, "query_len": query_len, "response_len": response_len,
+             "scores": _scores(reward, reward_v_head, inputs)}
+    return (batch if vision is None else {**batch, **inputs_vl}), cut
 
 
 @functools.lru_cache(maxsize=None)
@@ -619,11 +705,15 @@ def _rollout_fn(module, reward_module, args, eos_token_ids, pad_token_id):
 
 
 def rollout(policy, lora, reward_model, reward_v_head, prompt_features: list[dict], args: PPOArgs, eos_token_ids,
-            pad_token_id: int, step: int, width: int, noise: np.ndarray | None = None):
+            pad_token_id: int, step: int, width: int, noise: np.ndarray | None = None,
+            mm: MultimodalContext | None = None):
     """One PPO step's rollouts: generate from the prompts left-padded to `width`, trim, score -> (the rollout
     batch {input_ids, attention_mask [B, width + N], query_len, response_len, scores}, the cut responses
-    i32[B, N], -1 padded). The noise of mini-batch m is rollout_noise(seed, step, m) unless `noise` is given."""
-    prompts = PromptDataCollator(pad_token_id, pad_to_length=width)(prompt_features)
+    i32[B, N], -1 padded). The noise of mini-batch m is rollout_noise(seed, step, m) unless `noise` is given.
+    With `mm` (a VL template's collator context) the prompts bring their images and M-RoPE positions, and the
+    batch gains row_positions i32[B,3,W] and token_embeds f32[B,W,D]."""
+    prompts = PromptDataCollator(pad_token_id, pad_to_length=width, mm=mm)(prompt_features)
+    vision = prompt_vision(policy, prompts)
     B, mb, N = len(prompt_features), args.mini_batch_size, args.max_new_tokens
     vocab = policy.module.config.vocab_size
     if noise is None:
@@ -632,20 +722,21 @@ def rollout(policy, lora, reward_model, reward_v_head, prompt_features: list[dic
     fn = _rollout_fn(policy.module, reward_model.module, args, tuple(int(e) for e in eos_token_ids),
                      int(pad_token_id))
     return fn(policy.params, lora, reward_model.params, reward_v_head, jnp.asarray(prompts["input_ids"]), jnp.asarray(prompts["attention_mask"]),
-              jnp.asarray(noise))
+              jnp.asarray(noise), None if vision is None else {k: jnp.asarray(v) for k, v in vision.items()})
 
 
 def _prompt_width(*feature_lists) -> int:
     return max(len(f["input_ids"]) for features in feature_lists for f in features)
 
 
-def _run(policy, trainable, reward, reward_v_head, step_prompts, args, eos_token_ids, pad_token_id, total_steps, width):
+def _run(policy, trainable, reward, reward_v_head, step_prompts, args, eos_token_ids, pad_token_id, total_steps, width,
+         mm=None):
     opt_state = _adam(args).init(trainable)
     kl_coef = jnp.asarray(args.init_kl_coef, jnp.float32)
     all_stats, all_responses = [], []
     for step, prompts in enumerate(step_prompts):
         batch, responses = rollout(policy, trainable["lora"], reward, reward_v_head, prompts, args, eos_token_ids,
-                                   pad_token_id, step, width)
+                                   pad_token_id, step, width, mm=mm)
         trainable, opt_state, kl_coef, stats = ppo_step(policy, trainable, opt_state, kl_coef, batch, args, step,
                                                         total_steps)
         all_stats.append(stats)  # on device: no host sync per step
@@ -656,17 +747,21 @@ def _run(policy, trainable, reward, reward_v_head, step_prompts, args, eos_token
 
 
 def train_steps(model_dir, reward_model_dir, lora_init: dict, value_head_init: dict, step_prompts: list[list[dict]],
-                args: PPOArgs, eos_token_ids, pad_token_id: int):
-    """len(step_prompts) PPO steps (rollouts included) from the given adapter and value head."""
+                args: PPOArgs, eos_token_ids, pad_token_id: int, tokenizer_dir=None, data_dir=None):
+    """len(step_prompts) PPO steps (rollouts included) from the given adapter and value head. A VL template's
+    prompts need tokenizer_dir and data_dir (their images)."""
     policy, trainable = load_policy(model_dir, args, lora_init, value_head_init)
+    mm = None if tokenizer_dir is None else make_collator(args, tokenizer_dir, data_dir=data_dir,
+                                                          rope_index=getattr(policy.module, "rope_index", None)).mm
     reward, reward_v_head = load_reward_model(reward_model_dir)
     stats, responses, trainable = _run(policy, trainable, reward, reward_v_head, step_prompts, args, eos_token_ids,
-                                       pad_token_id, len(step_prompts), _prompt_width(*step_prompts))
+                                       pad_token_id, len(step_prompts),
+                                       _prompt_width(*step_prompts) + _fake_image_length(mm), mm)
     return stats, responses, lora_state_dict(trainable["lora"]), value_head_state_dict(trainable["v_head"])
 
 
 def evaluate_reward(policy, lora, reward, reward_v_head, features: list[dict], args: PPOArgs, eos_token_ids,
-                    pad_token_id: int, width: int) -> float:
+                    pad_token_id: int, width: int, mm: MultimodalContext | None = None) -> float:
     """Mean reward of eval_samples sampled responses per prompt (eval_noise), in eval batches."""
     size, vocab = args.per_device_eval_batch_size, policy.module.config.vocab_size
     eval_args = replace(args, per_device_train_batch_size=size)
@@ -676,7 +771,7 @@ def evaluate_reward(policy, lora, reward, reward_v_head, features: list[dict], a
             prompts = features[s:s + size]
             noise = eval_noise(k, b, (len(prompts), args.max_new_tokens, vocab))
             scores.append(rollout(policy, lora, reward, reward_v_head, prompts, eval_args, eos_token_ids, pad_token_id,
-                                  0, width, noise)[0]["scores"])
+                                  0, width, noise, mm)[0]["scores"])
     return float(np.mean(np.concatenate(jax.device_get(scores)).astype(np.float64)))
 
 
@@ -686,16 +781,18 @@ def train_ppo(model_dir, tokenizer_dir, data_dir, reward_model_dir, args: PPOArg
     train = load_prompt_dataset(tokenizer_dir, data_dir, "train", args)
     held_out = load_prompt_dataset(tokenizer_dir, data_dir, "eval", args)
     eos_token_ids, pad_token_id = generation_ids(tokenizer_dir, args)
-    width = _prompt_width(train, held_out)  # one static prompt width
     policy, trainable = load_policy(model_dir, args)
+    # M-RoPE models: LF's collator asks the model for positions
+    mm = make_collator(args, tokenizer_dir, data_dir=data_dir, rope_index=getattr(policy.module, "rope_index", None)).mm
+    width = _prompt_width(train, held_out) + _fake_image_length(mm)  # one static prompt width
     reward, reward_v_head = load_reward_model(reward_model_dir)
     eval_before = evaluate_reward(policy, trainable["lora"], reward, reward_v_head, held_out, args, eos_token_ids,
-                                  pad_token_id, width)
+                                  pad_token_id, width, mm)
     step_prompts = [[train[i] for i in idx] for epoch in range(args.num_train_epochs)
                     for idx in prompt_batch_indices(len(train), args, epoch)]
     stats, responses, trainable = _run(policy, trainable, reward, reward_v_head, step_prompts, args, eos_token_ids,
-                                       pad_token_id, num_training_steps(len(train), args), width)
+                                       pad_token_id, num_training_steps(len(train), args), width, mm)
     eval_after = evaluate_reward(policy, trainable["lora"], reward, reward_v_head, held_out, args, eos_token_ids,
-                                 pad_token_id, width)
+                                 pad_token_id, width, mm)
     return PPOResult(stats, responses, eval_before, eval_after, lora_state_dict(trainable["lora"]),
                      value_head_state_dict(trainable["v_head"]), time.perf_counter() - start)

@@ -12,10 +12,12 @@ import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from catalog.workloads import rewarded_steps  # noqa: E402
+from catalog.workloads import PPO_MOVED_STATS, PPO_NOISE_STATS, moved_steps, rewarded_steps  # noqa: E402
 from jax_oracles.training import dpo as jdpo  # noqa: E402
+from jax_oracles.training import ppo as jppo  # noqa: E402
 from jax_oracles.training import sft as jsft  # noqa: E402
 from torch_sources.training import dpo as tdpo  # noqa: E402
+from torch_sources.training import ppo as tppo  # noqa: E402
 from torch_sources.training import sft as tsft  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -50,6 +52,7 @@ def test_sft_eval_without_the_images_is_refused():
                                     tsft.TrainArgs(template="qwen", cutoff_len=CUTOFF))
 
 
+@pytest.mark.slow
 def test_dpo_end_to_end_matches():
     """Reward metrics are compared where the policy has left the reference (catalog.workloads.rewarded_steps: at
     the init every torch reward is exactly 0, and rounding noise decides the accuracies of those ties)."""
@@ -67,3 +70,41 @@ def test_dpo_end_to_end_matches():
         w, g = getattr(want, when), getattr(got, when)
         np.testing.assert_allclose([g[k] for k in w], [w[k] for k in w], rtol=1e-4, atol=1e-5, err_msg=when)
     assert _max_diff(got.lora_state_dict, want.lora_state_dict) < 3e-5  # 4 Adam steps: normalised updates carry noise
+
+
+@pytest.mark.slow
+def test_ppo_end_to_end_matches():
+    """LF's PPO with the multimodal collator's inputs (the torch docstring says why LF's own cannot run a VL policy):
+    the prompts' images in generation and in TRL's forward passes, M-RoPE positions, a text reward model. The same
+    sampled responses, step stats (the noise stat left out, the moved stats at the steps that moved: as the
+    grader's PPO checks), held-out rewards, adapter and value head; and the positions of query + response are the
+    rope index of the concatenated rows."""
+    reward, data = ROOT / "assets/checkpoints/llama3-reward", ROOT / "assets/data/sft_vl"
+    kw = dict(template="qwen2_vl", cutoff_len=CUTOFF, num_train_epochs=1, eval_samples=1)
+    want = tppo.train_ppo(CKPT, TOKENIZER, data, reward, tppo.PPOArgs(**kw))
+    got = jppo.train_ppo(CKPT, TOKENIZER, data, reward, jppo.PPOArgs(**kw))
+    assert len(want.step_responses) == 3
+    for w, g in zip(want.step_responses, got.step_responses):
+        np.testing.assert_array_equal(g, w)
+    moved = moved_steps(want.step_stats)
+    assert 0 < len(moved) < 3  # warmup holds the first step still
+    for name in tppo.STATS:
+        if name in PPO_NOISE_STATS:
+            continue
+        steps = moved if name in PPO_MOVED_STATS else slice(None)
+        np.testing.assert_allclose(np.asarray(got.step_stats[name])[steps], np.asarray(want.step_stats[name])[steps],
+                                   rtol=1e-4, atol=1e-5, err_msg=name)
+    np.testing.assert_allclose([got.eval_before, got.eval_after], [want.eval_before, want.eval_after], rtol=1e-5)
+    assert _max_diff(got.lora_state_dict, want.lora_state_dict) < 3e-5
+    assert _max_diff(got.value_head, want.value_head) < 3e-5
+
+    args = tppo.PPOArgs(**kw)  # one rollout: its positions of query + response against the rope index
+    prompts = tppo.load_prompt_dataset(TOKENIZER, data, "train", args)[:4]
+    eos, pad = tppo.generation_ids(TOKENIZER, args)
+    policy, rm = tppo.load_policy(CKPT, args), tppo.load_reward_model(reward)
+    mm = tppo.make_collator(args, TOKENIZER, data, policy.pretrained_model.rope_index).mm
+    queries, responses, _, vision = tppo.rollout(policy, rm, prompts, args, eos, pad, 0, mm=mm)
+    inputs = tppo.prepare_model_inputs(queries, responses, pad, vision)
+    grid = tppo.PromptDataCollator(pad, mm=mm)(prompts)["image_grid_thw"]
+    positions, _ = policy.pretrained_model.rope_index(inputs["input_ids"], grid, inputs["attention_mask"])
+    np.testing.assert_array_equal(inputs["row_positions"].transpose(0, 1).numpy(), positions.numpy())

@@ -16,6 +16,27 @@ raw alpaca json -> llama3 template -> unsupervised processor (the prompt through
    value loss, each mini-batch's loss / GA backward, clip and AdamW step every GA mini-batches (accelerate);
    the adaptive (or fixed) KL controller updates, the LR schedule steps once per PPO step.
 
+Vision-language policies (qwen2_vl and kin, their template's mm plugin). LF 0.9.5's own PPO cannot run a
+Qwen-VL model: TRL 0.9.6's value head reads config.hidden_size (a VL config keeps it in its text config), and
+generation gets only input_ids and attention_mask, so the images never reach the model. The VL path here is LF's
+PPO with the multimodal collator's inputs passed where a VL model needs them:
+- prompts collated by PromptDataCollator(pad, mm=MultimodalContext(template.mm_plugin, tokenizer, media_dir,
+  model.rope_index)): pixel_values, image_grid_thw, the prompt's M-RoPE position_ids and rope_deltas;
+- the frozen tower runs once per step batch (encode_images); its merged embeddings are kept per token
+  (`token_embeds` f32[B,T,D], read at the image tokens only);
+- generation merges them at the prompt's image tokens; positions: the prompt's from the rope index, each new
+  token's its text position (mask cumsum - 1) + the row's rope_delta on all three rows (mrope.decode_positions),
+  as transformers' generate does; a generated image-pad token is embedded as text, as generate's decode steps do;
+- TRL's batched forward pass (policy, reference) sees the same images at the query's image tokens and the
+  positions of query + response: the query's own, then text continuing after its last position (the rope index
+  of the concatenated row, computed from its parts: a response token that happens to be the image-pad id stays
+  text, where transformers' forward would fail on the count);
+- the reward model (a text checkpoint) scores the query + response ids as before, no pixels;
+- the value head reads the language model's final hidden states (the text config's hidden_size).
+Departure from LF: a step batch without any image gets LF's fake image before row 0's tokens (mask 0), and LF's
+trimming (the first non-pad token) would keep its tokens in the query, to be attended with no pixels; here the
+query of a VL batch starts at its first attended token, so the fake image never reaches TRL's forward.
+
 The value head is TRL's: Dropout(summary_dropout_prob) -> Linear(hidden, 1) on the final hidden state
 (after the final norm). Recorded with its dropout off (`value_head_dropout: 0.0`; TRL's default is 0.1
 and LF leaves it live in training): torch's dropout masks cannot be shared with another framework.
@@ -45,17 +66,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.numpy import load_file
 
-from .collator import PromptDataCollator
+from torch_sources.models import mrope
+
+from .collator import MultimodalContext, PromptDataCollator
 from .lora import PEFT_PREFIX, disable_adapter, load_lora_state_dict, lora_state_dict
 from .optimizer import clip_grad_norm, create_optimizer
 from .processor import preprocess_unsupervised_dataset
-from .sft import TrainArgs, _fixed_tokenizer, load_model, lora_config
+from .sft import TrainArgs, _fixed_tokenizer, load_model, lora_config, media_dir, multimodal_context
 
 __all__ = ["PPOArgs", "PPOResult", "STATS", "VALUE_HEAD_FILE", "load_prompt_dataset", "make_collator",
            "prompt_batch_indices", "num_training_steps", "init_value_head", "value_head",
            "CausalLMWithValueHead", "load_policy", "load_reward_model", "value_head_state_dict",
            "load_value_head_state_dict", "generation_ids", "rollout_noise", "eval_noise", "warp_logits", "sample_next_tokens",
-           "generate", "trim_rollouts", "prepare_model_inputs", "get_rewards", "logprobs_from_logits",
+           "prompt_vision", "generate", "trim_rollouts", "prepare_model_inputs", "get_rewards", "logprobs_from_logits",
            "batched_forward_pass", "masked_mean", "masked_var", "masked_whiten", "compute_rewards",
            "compute_advantages", "ppo_loss", "AdaptiveKLController", "FixedKLController", "ppo_step",
            "ppo_step_loss_and_grads", "rollout", "train_steps", "evaluate_reward", "train_ppo"]
@@ -132,15 +155,20 @@ class PPOResult:
 # ---- data --------------------------------------------------------------------------------------
 
 def load_prompt_dataset(tokenizer_dir, data_dir, split: str, args: PPOArgs) -> list[dict]:
-    """data_dir/{split}.json (alpaca rows) through the template and the unsupervised processor."""
+    """data_dir/{split}.json (alpaca rows, with an `images` column for a vision-language template) through the
+    template and the unsupervised processor."""
     template, tokenizer = _fixed_tokenizer(tokenizer_dir, args)
     rows = json.loads((Path(data_dir) / f"{split}.json").read_text())
-    return preprocess_unsupervised_dataset(rows, tokenizer, template, args.cutoff_len)
+    return preprocess_unsupervised_dataset(rows, tokenizer, template, args.cutoff_len, media_dir(args, data_dir))
 
 
-def make_collator(args: PPOArgs, tokenizer_dir=None) -> PromptDataCollator:
-    pad_token_id = 0 if tokenizer_dir is None else _fixed_tokenizer(tokenizer_dir, args)[1].pad_token_id
-    return PromptDataCollator(pad_token_id=pad_token_id)
+def make_collator(args: PPOArgs, tokenizer_dir=None, data_dir=None, rope_index=None) -> PromptDataCollator:
+    """The prompt collator; a vision-language template's also reads the rows' images (from data_dir, or
+    args.media_dir) and takes the model's rope_index."""
+    if tokenizer_dir is None:
+        return PromptDataCollator(pad_token_id=0)
+    return PromptDataCollator(pad_token_id=_fixed_tokenizer(tokenizer_dir, args)[1].pad_token_id,
+                              mm=multimodal_context(args, tokenizer_dir, data_dir, rope_index))
 
 
 def generation_ids(tokenizer_dir, args: PPOArgs) -> tuple[tuple[int, ...], int]:
@@ -196,8 +224,9 @@ class CausalLMWithValueHead(nn.Module):
         self.pretrained_model = pretrained_model
         self.v_head = ValueHead(pretrained_model.config.hidden_size, dropout)
 
-    def forward(self, input_ids, attention_mask, position_ids=None):  # -> f32[B,T,V], f32[B,T]
-        logits, hidden = self.pretrained_model(input_ids, attention_mask, position_ids, return_hidden=True)
+    def forward(self, input_ids, attention_mask, position_ids=None, image_embeds=None):  # -> f32[B,T,V], f32[B,T]
+        extra = {} if image_embeds is None else {"image_embeds": image_embeds}  # a VL model's merged patches
+        logits, hidden = self.pretrained_model(input_ids, attention_mask, position_ids, return_hidden=True, **extra)
         return logits.float(), self.v_head(hidden)
 
 
@@ -272,18 +301,54 @@ def sample_next_tokens(logits: torch.Tensor, noise: torch.Tensor, args: PPOArgs)
     return (probs / noise).argmax(dim=-1)
 
 
+def _image_token_text_embedding(model: CausalLMWithValueHead) -> torch.Tensor:  # -> f32[D]
+    """The image-pad token's own (text) embedding: what a generated image-pad token is embedded as."""
+    lm = model.pretrained_model
+    return lm.model.embed_tokens.weight[lm.config.image_token_id].detach()
+
+
+@torch.no_grad()
+def prompt_vision(model: CausalLMWithValueHead, batch: dict) -> dict | None:
+    """A collated VL prompt batch -> {position_ids i64[3,B,P], rope_deltas i64[B,1], token_embeds f32[B,P,D]: the
+    tower's merged embeddings at the image tokens (reading order), 0 elsewhere}; None for a text batch."""
+    if "pixel_values" not in batch:
+        return None
+    lm = model.pretrained_model
+    embeds = lm.encode_images(batch["pixel_values"], batch["image_grid_thw"]).float()
+    ids = batch["input_ids"]
+    token_embeds = torch.zeros(*ids.shape, embeds.shape[-1])
+    token_embeds[ids == lm.config.image_token_id] = embeds
+    return {"position_ids": batch["position_ids"].long(), "rope_deltas": batch["rope_deltas"].long(),
+            "token_embeds": token_embeds}
+
+
+def _image_embeds(model: CausalLMWithValueHead, input_ids, token_embeds) -> torch.Tensor:  # -> f32[n,D]
+    """The forward's image_embeds: the per-token embeddings at the image tokens, in reading order."""
+    return token_embeds[input_ids == model.pretrained_model.config.image_token_id]
+
+
 @torch.no_grad()
 def generate(model: CausalLMWithValueHead, input_ids, attention_mask, noise, args: PPOArgs,
-             eos_token_ids, pad_token_id: int) -> torch.Tensor:
+             eos_token_ids, pad_token_id: int, vision: dict | None = None) -> torch.Tensor:
     """HF generate (do_sample) from left-padded prompts: i64[B,P] -> i64[B, max_new_tokens]; after a
-    row's eos every token is pad_token_id. Positions are HF's: attention-mask cumsum - 1 (1 on pads)."""
+    row's eos every token is pad_token_id. Positions are HF's: attention-mask cumsum - 1 (1 on pads).
+    vision (prompt_vision's, these rows): the prompt's image embeddings and M-RoPE positions; new tokens at
+    their text position + the row's rope delta (mrope.decode_positions), embedded as text."""
     ids, mask = input_ids.long(), attention_mask.long()
     finished = torch.zeros(ids.shape[0], dtype=torch.bool)
     eos = torch.tensor(list(eos_token_ids))
     out = []
     for t in range(args.max_new_tokens):
-        position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-        logits = model.pretrained_model(ids, mask, position_ids)[:, -1].float()
+        if vision is None:
+            position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+            logits = model.pretrained_model(ids, mask, position_ids)[:, -1].float()
+        else:
+            new_positions = mrope.decode_positions(mask, vision["rope_deltas"])[..., input_ids.shape[1]:]
+            position_ids = torch.cat([vision["position_ids"], new_positions], dim=-1)
+            text = _image_token_text_embedding(model).expand(ids.shape[0], t, -1)
+            token_embeds = torch.cat([vision["token_embeds"], text], dim=1)
+            logits = model.pretrained_model(ids, mask, position_ids,
+                                            image_embeds=_image_embeds(model, ids, token_embeds))[:, -1].float()
         token = sample_next_tokens(logits, torch.as_tensor(np.asarray(noise[:, t])), args)
         token = torch.where(finished, torch.full_like(token, pad_token_id), token)
         finished |= torch.isin(token, eos)
@@ -293,12 +358,13 @@ def generate(model: CausalLMWithValueHead, input_ids, attention_mask, noise, arg
     return torch.stack(out, dim=1)
 
 
-def trim_rollouts(query_ids, response_ids, pad_token_id: int, eos_token_id: int):
+def trim_rollouts(query_ids, response_ids, pad_token_id: int, eos_token_id: int, attention_mask=None):
     """LF get_inputs: each query without its left pad; each response cut after its last non-pad token, one
-    token further when pad == eos (keeping the eos), to one token when it is all pad -> two lists of i64 rows."""
+    token further when pad == eos (keeping the eos), to one token when it is all pad -> two lists of i64 rows.
+    attention_mask (a VL batch's): each query starts at its first attended token (LF's fake image stays out)."""
     queries, responses = [], []
-    for q, r in zip(query_ids, response_ids):
-        start = int((q != pad_token_id).nonzero()[0])
+    for i, (q, r) in enumerate(zip(query_ids, response_ids)):
+        start = int((q != pad_token_id).nonzero()[0]) if attention_mask is None else int(attention_mask[i].nonzero()[0])
         kept = (r != pad_token_id).nonzero()
         if len(kept) == 0:
             length = 1
@@ -311,8 +377,11 @@ def trim_rollouts(query_ids, response_ids, pad_token_id: int, eos_token_id: int)
     return queries, responses
 
 
-def prepare_model_inputs(queries, responses, pad_token_id: int) -> dict[str, torch.Tensor]:
-    """TRL prepare_model_inputs with LF's collator on the right: query + response, right-padded to the longest."""
+def prepare_model_inputs(queries, responses, pad_token_id: int, vision: dict | None = None) -> dict[str, torch.Tensor]:
+    """TRL prepare_model_inputs with LF's collator on the right: query + response, right-padded to the longest.
+    vision (rollout's, per row: the query's positions i64[3,q], token embeddings f32[q,D], rope delta, and the
+    image-pad text embedding) adds row_positions i64[B,3,L] (the query's, then text: column j at j + delta; pads
+    0) and token_embeds f32[B,L,D] (the query's; the image-pad text embedding on the response)."""
     rows = [torch.cat([q, r]) for q, r in zip(queries, responses)]
     length = max(len(x) for x in rows)
     input_ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
@@ -320,7 +389,18 @@ def prepare_model_inputs(queries, responses, pad_token_id: int) -> dict[str, tor
     for i, x in enumerate(rows):
         input_ids[i, :len(x)] = x
         attention_mask[i, :len(x)] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
+    out = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if vision is None:
+        return out
+    D = vision["text_embedding"].shape[-1]
+    positions = torch.zeros((len(rows), 3, length), dtype=torch.long)
+    token_embeds = torch.zeros((len(rows), length, D))
+    for i, (q, x) in enumerate(zip(queries, rows)):
+        positions[i, :, :len(q)] = vision["positions"][i]
+        positions[i, :, len(q):len(x)] = torch.arange(len(q), len(x)) + vision["rope_deltas"][i]
+        token_embeds[i, :len(q)] = vision["token_embeds"][i]
+        token_embeds[i, len(q):] = vision["text_embedding"]
+    return {**out, "row_positions": positions, "token_embeds": token_embeds}
 
 
 @torch.no_grad()
@@ -347,7 +427,12 @@ def batched_forward_pass(model: CausalLMWithValueHead, queries, responses, model
     for s in range(0, len(queries), mini_batch_size):
         input_ids = model_inputs["input_ids"][s:s + mini_batch_size]
         attention_mask = model_inputs["attention_mask"][s:s + mini_batch_size]
-        logits, values = model(input_ids, attention_mask)
+        if "row_positions" in model_inputs:  # a VL batch: its M-RoPE positions and image embeddings
+            logits, values = model(input_ids, attention_mask,
+                                   model_inputs["row_positions"][s:s + mini_batch_size].transpose(0, 1),
+                                   _image_embeds(model, input_ids, model_inputs["token_embeds"][s:s + mini_batch_size]))
+        else:
+            logits, values = model(input_ids, attention_mask)
         logprobs = logprobs_from_logits(logits[:, :-1, :], input_ids[:, 1:])
         masks = torch.zeros_like(attention_mask)
         masks[:, :-1] = attention_mask[:, 1:]
@@ -484,19 +569,23 @@ def _trainable(model):
     return [p for p in model.parameters() if p.requires_grad]
 
 
+_MODEL_INPUTS = ("input_ids", "attention_mask", "row_positions", "token_embeds")  # the last two: a VL batch's
+
+
 def _minibatch_loss(model, mb: dict, args: PPOArgs):
     """One mini-batch's forward (with grads) and TRL loss -> (loss_p + loss_v, stats)."""
     logprobs, logits, vpreds, _ = batched_forward_pass(model, mb["queries"], mb["responses"],
-                                                       {k: mb[k] for k in ("input_ids", "attention_mask")},
+                                                       {k: mb[k] for k in _MODEL_INPUTS if k in mb},
                                                        args.mini_batch_size, return_logits=True)
     loss_p, loss_v, stats = ppo_loss(mb["logprobs"], mb["values"], logits, vpreds, logprobs, mb["masks"],
                                      mb["advantages"], mb["returns"], args)
     return loss_p + loss_v, stats
 
 
-def _step_batch(model, queries, responses, scores, kl_coef: float, args: PPOArgs, pad_token_id: int) -> dict:
+def _step_batch(model, queries, responses, scores, kl_coef: float, args: PPOArgs, pad_token_id: int,
+                vision: dict | None = None) -> dict:
     """The no-grad half of TRL's step: old log-probs and values, reference log-probs, rewards and advantages."""
-    model_inputs = prepare_model_inputs(queries, responses, pad_token_id)
+    model_inputs = prepare_model_inputs(queries, responses, pad_token_id, vision)
     with torch.no_grad():
         logprobs, _, values, masks = batched_forward_pass(model, queries, responses, model_inputs,
                                                           args.mini_batch_size)
@@ -518,12 +607,12 @@ def _minibatch(batch: dict, idx) -> dict:
 
 
 def ppo_step_loss_and_grads(model, queries, responses, scores, args: PPOArgs, pad_token_id: int,
-                            kl_coef: float | None = None) -> tuple[dict, dict, dict]:
+                            kl_coef: float | None = None, vision: dict | None = None) -> tuple[dict, dict, dict]:
     """TRL's first mini-batch of a step (rows 0..mini_batch_size-1, no permutation), no update -> (its
     loss terms {"policy", "value", "total"}, the batch tensors {name: array f32/i64[B, L-1]}, the grads of
     that mini-batch's loss (undivided) {PEFT or v_head name: array})."""
     batch = _step_batch(model, queries, responses, scores, args.init_kl_coef if kl_coef is None else kl_coef,
-                        args, pad_token_id)
+                        args, pad_token_id, vision)
     model.zero_grad(set_to_none=True)
     loss, stats = _minibatch_loss(model, _minibatch(batch, np.arange(args.mini_batch_size)), args)
     loss.backward()
@@ -537,9 +626,10 @@ def ppo_step_loss_and_grads(model, queries, responses, scores, args: PPOArgs, pa
 
 
 def ppo_step(model, optimizer, scheduler, kl_ctl, queries, responses, scores, args: PPOArgs, pad_token_id: int,
-             step: int) -> dict[str, float]:
-    """TRL PPOTrainer.step on one batch of rollouts -> the STATS of this step."""
-    batch = _step_batch(model, queries, responses, scores, kl_ctl.value, args, pad_token_id)
+             step: int, vision: dict | None = None) -> dict[str, float]:
+    """TRL PPOTrainer.step on one batch of rollouts (vision: a VL rollout's, see `rollout`) -> the STATS of this
+    step."""
+    batch = _step_batch(model, queries, responses, scores, kl_ctl.value, args, pad_token_id, vision)
     bs, backward = len(queries), args.mini_batch_size * args.gradient_accumulation_steps
     rng = np.random.default_rng([args.seed, _MINIBATCH, step])
     all_stats = []
@@ -577,24 +667,42 @@ def _record_step_stats(batch: dict, all_stats: list[dict], kl_coef: float) -> di
 # ---- the loop ----------------------------------------------------------------------------------
 
 def rollout(model, reward_model, prompt_features: list[dict], args: PPOArgs, eos_token_ids, pad_token_id: int,
-            step: int, noise: np.ndarray | None = None):
+            step: int, noise: np.ndarray | None = None, mm: MultimodalContext | None = None):
     """LF ppo_train's rollout of one PPO step: per mini-batch of the left-padded step batch, generate, trim,
     score -> (queries, responses, scores f32[B]). Mini-batch m draws rollout_noise(seed, step, m), unless
-    `noise` (f32[B, N, V]) is given."""
-    collate = PromptDataCollator(pad_token_id)
+    `noise` (f32[B, N, V]) is given. With `mm` (a VL template's collator context) the prompts bring their
+    images and M-RoPE positions, and a fourth item comes back: the rows' vision inputs for ppo_step (per row
+    the query's positions, token embeddings and rope delta; the image-pad text embedding)."""
+    collate = PromptDataCollator(pad_token_id, mm=mm)
     batch = collate(prompt_features)
     model.eval()
+    vision = prompt_vision(model, batch)
+    rows = {"positions": [], "token_embeds": [], "rope_deltas": []}
     queries, responses, scores = [], [], []
     for m, s in enumerate(range(0, len(prompt_features), args.mini_batch_size)):
-        ids, mask = batch["input_ids"][s:s + args.mini_batch_size], batch["attention_mask"][s:s + args.mini_batch_size]
+        rows_mb = slice(s, s + args.mini_batch_size)
+        ids, mask = batch["input_ids"][rows_mb], batch["attention_mask"][rows_mb]
         shape = (len(ids), args.max_new_tokens, model.pretrained_model.config.vocab_size)
-        q_noise = rollout_noise(args.seed, step, m, shape) if noise is None else noise[s:s + args.mini_batch_size]
-        out = generate(model, ids, mask, q_noise, args, eos_token_ids, pad_token_id)
-        q, r = trim_rollouts(ids, out, pad_token_id, eos_token_ids[0])
+        q_noise = rollout_noise(args.seed, step, m, shape) if noise is None else noise[rows_mb]
+        if vision is None:
+            out = generate(model, ids, mask, q_noise, args, eos_token_ids, pad_token_id)
+            q, r = trim_rollouts(ids, out, pad_token_id, eos_token_ids[0])
+        else:
+            v = {"position_ids": vision["position_ids"][:, rows_mb], "rope_deltas": vision["rope_deltas"][rows_mb],
+                 "token_embeds": vision["token_embeds"][rows_mb]}
+            out = generate(model, ids, mask, q_noise, args, eos_token_ids, pad_token_id, v)
+            q, r = trim_rollouts(ids, out, pad_token_id, eos_token_ids[0], mask)
+            for i, query in enumerate(q):
+                start = ids.shape[1] - len(query)
+                rows["positions"].append(v["position_ids"][:, i, start:])
+                rows["token_embeds"].append(v["token_embeds"][i, start:])
+                rows["rope_deltas"].append(int(v["rope_deltas"][i, 0]))
         queries += q
         responses += r
         scores.append(get_rewards(reward_model, q, r, pad_token_id))
-    return queries, responses, torch.cat(scores)
+    if vision is None:
+        return queries, responses, torch.cat(scores)
+    return queries, responses, torch.cat(scores), {**rows, "text_embedding": _image_token_text_embedding(model)}
 
 
 def _padded_responses(responses, width: int) -> np.ndarray:
@@ -604,13 +712,16 @@ def _padded_responses(responses, width: int) -> np.ndarray:
     return out
 
 
-def _run(model, reward_model, step_prompts, args: PPOArgs, eos_token_ids, pad_token_id: int, total_steps: int):
+def _run(model, reward_model, step_prompts, args: PPOArgs, eos_token_ids, pad_token_id: int, total_steps: int,
+         mm: MultimodalContext | None = None):
     optimizer, scheduler = create_optimizer(model.named_parameters(), args, total_steps)
     kl_ctl = _kl_controller(args)
     step_stats, step_responses = {k: [] for k in STATS}, []
     for step, prompts in enumerate(step_prompts):
-        queries, responses, scores = rollout(model, reward_model, prompts, args, eos_token_ids, pad_token_id, step)
-        stats = ppo_step(model, optimizer, scheduler, kl_ctl, queries, responses, scores, args, pad_token_id, step)
+        queries, responses, scores, *vision = rollout(model, reward_model, prompts, args, eos_token_ids,
+                                                      pad_token_id, step, mm=mm)
+        stats = ppo_step(model, optimizer, scheduler, kl_ctl, queries, responses, scores, args, pad_token_id, step,
+                         *vision)
         for k in STATS:
             step_stats[k].append(stats[k])
         step_responses.append(_padded_responses(responses, args.max_new_tokens))
@@ -618,17 +729,21 @@ def _run(model, reward_model, step_prompts, args: PPOArgs, eos_token_ids, pad_to
 
 
 def train_steps(model_dir, reward_model_dir, lora_init: dict, value_head_init: dict, step_prompts: list[list[dict]],
-                args: PPOArgs, eos_token_ids, pad_token_id: int):
+                args: PPOArgs, eos_token_ids, pad_token_id: int, tokenizer_dir=None, data_dir=None):
     """len(step_prompts) PPO steps (rollouts included) from the given adapter and value head (the schedule
-    spans them all) -> (STATS per step, the cut responses per step, final adapter, final value head)."""
+    spans them all) -> (STATS per step, the cut responses per step, final adapter, final value head). A VL
+    template's prompts need tokenizer_dir and data_dir (their images)."""
     model = load_policy(model_dir, args, lora_init, value_head_init)
+    mm = None if tokenizer_dir is None else make_collator(args, tokenizer_dir, data_dir,
+                                                          getattr(model.pretrained_model, "rope_index", None)).mm
     stats, responses = _run(model, load_reward_model(reward_model_dir), step_prompts, args, eos_token_ids,
-                            pad_token_id, len(step_prompts))
+                            pad_token_id, len(step_prompts), mm)
     return stats, responses, lora_state_dict(model.pretrained_model), value_head_state_dict(model)
 
 
 @torch.no_grad()
-def evaluate_reward(model, reward_model, features: list[dict], args: PPOArgs, eos_token_ids, pad_token_id: int) -> float:
+def evaluate_reward(model, reward_model, features: list[dict], args: PPOArgs, eos_token_ids, pad_token_id: int,
+                    mm: MultimodalContext | None = None) -> float:
     """The held-out score: eval_samples sampled responses per prompt (LF's generation settings, eval_noise:
     the same draws for every run), from prompts in batches of per_device_eval_batch_size, scored by the
     reward model -> the mean over every response."""
@@ -639,7 +754,8 @@ def evaluate_reward(model, reward_model, features: list[dict], args: PPOArgs, eo
         for b, s in enumerate(range(0, len(features), size)):
             prompts = features[s:s + size]
             noise = eval_noise(k, b, (len(prompts), args.max_new_tokens, vocab))
-            scores.append(rollout(model, reward_model, prompts, eval_args, eos_token_ids, pad_token_id, 0, noise)[2])
+            scores.append(rollout(model, reward_model, prompts, eval_args, eos_token_ids, pad_token_id, 0, noise,
+                                  mm)[2])
     return float(torch.cat(scores).double().mean())
 
 
@@ -650,12 +766,14 @@ def train_ppo(model_dir, tokenizer_dir, data_dir, reward_model_dir, args: PPOArg
     held_out = load_prompt_dataset(tokenizer_dir, data_dir, "eval", args)
     eos_token_ids, pad_token_id = generation_ids(tokenizer_dir, args)
     model = load_policy(model_dir, args)  # lora_B = 0: the policy starts as the reference
+    # M-RoPE models: LF's collator asks the model for positions
+    mm = make_collator(args, tokenizer_dir, data_dir, getattr(model.pretrained_model, "rope_index", None)).mm
     reward_model = load_reward_model(reward_model_dir)
-    eval_before = evaluate_reward(model, reward_model, held_out, args, eos_token_ids, pad_token_id)
+    eval_before = evaluate_reward(model, reward_model, held_out, args, eos_token_ids, pad_token_id, mm)
     step_prompts = [[train[i] for i in idx] for epoch in range(args.num_train_epochs)
                     for idx in prompt_batch_indices(len(train), args, epoch)]
     stats, responses = _run(model, reward_model, step_prompts, args, eos_token_ids, pad_token_id,
-                            num_training_steps(len(train), args))
-    eval_after = evaluate_reward(model, reward_model, held_out, args, eos_token_ids, pad_token_id)
+                            num_training_steps(len(train), args), mm)
+    eval_after = evaluate_reward(model, reward_model, held_out, args, eos_token_ids, pad_token_id, mm)
     return PPOResult(stats, responses, eval_before, eval_after, lora_state_dict(model.pretrained_model),
                      value_head_state_dict(model), time.perf_counter() - start)
