@@ -134,6 +134,7 @@ RAW = {
     "qwen3": (None, "<|im_end|>", "<|endoftext|>"),
     "phi4": ("<|endoftext|>", "<|im_end|>", "<|dummy_85|>"),
     "starcoder2": ("<|endoftext|>", "<|endoftext|>", None),
+    "qwen2_vl": (None, "<|im_end|>", "<|endoftext|>"),  # Qwen2-VL-2B-Instruct's tokenizer_config
 }
 SPECIAL_IDS = {
     "bloom": {"<unk>": 400, "<s>": 401, "</s>": 402, "<pad>": 403},
@@ -144,6 +145,8 @@ SPECIAL_IDS = {
     "phi4": {"<|endoftext|>": 400, "<|im_start|>": 401, "<|im_end|>": 402, "<|im_sep|>": 403, "<|dummy_85|>": 404},
     "starcoder2": {"<|endoftext|>": 400},
     "llama3": {"<|begin_of_text|>": 400, "<|end_of_text|>": 401, "<|eot_id|>": 404},
+    "qwen2_vl": {"<|endoftext|>": 400, "<|im_start|>": 401, "<|im_end|>": 402, "<|vision_start|>": 409,
+                 "<|vision_end|>": 410, "<|image_pad|>": 412, "<|video_pad|>": 413},
 }
 
 _HF = {}
