@@ -270,7 +270,12 @@ def _cheat_source(how: str, tmp_path: Path) -> str:
 CHEATS = (*(f"spawn {h}" for h in _SPAWNS), "multiprocessing worker", "sys.meta_path edited", *READS, "report")
 
 
-@pytest.mark.parametrize("how", CHEATS)
+# CI runs one interpreter spawn ("another python": no guard at all); the other spawn flags in make test-full
+_CI_CHEATS = [h if h not in ("spawn -I", "spawn -S", "spawn posix_spawn") else pytest.param(h, marks=pytest.mark.slow)
+              for h in CHEATS]
+
+
+@pytest.mark.parametrize("how", _CI_CHEATS)
 def test_a_cheat_scores_zero_sealed_and_full_marks_behind_the_python_fence_alone(tmp_path, how):
     cand = _candidate(tmp_path)
     _plant(cand, LAYERS, RMS_NORM_DEF, _cheat_source(how, tmp_path))
@@ -527,6 +532,7 @@ def test_echoing_the_input_is_not_the_answer(tmp_path):
 
 # ---------------------------------------------------------------- (d) hangs
 
+@pytest.mark.slow  # CI time (~22 s): the sandbox's own timeout tests (tests/grader) stay in CI; make test-full runs it
 def test_a_hanging_check_times_out_alone(tmp_path):
     cand = _candidate(tmp_path)
     _plant(cand, LAYERS, "def eager_attention(q, k, v, mask, scale: float, bias=None, sinks=None):\n", """

@@ -71,6 +71,7 @@ def _scores(report):
     return {f'{c["level"]}/{c["name"]}': c["score"] for c in report["checks"]}
 
 
+@pytest.mark.slow  # CI time (~33 s): the seeded-defect sweep catches a wrong theta (make sweep); make test-full runs it
 def test_a_wrong_rope_theta_lowers_rope_and_everything_above_it(tmp_path):
     cand = _copy_oracles(tmp_path / "cand")
     _edit(cand, "jax_oracles/models/rope.py", "np.float64(_f32(theta)) **", "np.float64(_f32(theta * 0.5)) **")

@@ -207,7 +207,8 @@ def train_sft(model_dir, tokenizer_dir, data_dir, args=TrainArgs()):
 '''
 
 
-@pytest.mark.sandbox  # the verifier env; trusted, so no namespaces. About 25 s: not marked slow
+@pytest.mark.sandbox  # the verifier env; trusted, so no namespaces
+@pytest.mark.slow  # CI time (~16 s): test_the_score_is_the_graders_loss_not_the_reported_one stays in CI
 def test_a_candidate_reporting_the_band_midpoint_gets_the_graders_loss(ref, tmp_path):
     cand = tmp_path / "cand"
     for tree in ("jax_oracles", "serving_engine", "conversion"):

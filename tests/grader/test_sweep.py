@@ -148,7 +148,8 @@ def test_block_pool_defects_are_caught_by_the_pressure_trace(tmp_path, did, only
 @pytest.mark.parametrize("task, did, check", [
     pytest.param("llama3-core", "serve-min-p-before-temperature", "L1/sampler_pipeline",
                  marks=pytest.mark.slow),  # CI time (~42 s): make test-full
-    ("llama3-sft", "train-template-eos-not-replaced", "L1/collate"),
+    pytest.param("llama3-sft", "train-template-eos-not-replaced", "L1/collate",
+                 marks=pytest.mark.slow),  # CI time (~29 s): make test-full; the executed-edit test stays in CI
 ])
 def test_order_and_eos_defects_are_caught_at_l1(tmp_path, task, did, check):
     # Both were blind spots once: the per-transform sampler checks compose the stages in the probe's
