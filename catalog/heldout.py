@@ -43,6 +43,8 @@ HELDOUT_KEY = "L6/heldout_loss"
 PREFERENCE_KEY = "L6/heldout_preference"
 REWARD_KEY = "L6/heldout_reward"  # PPO: scored by catalog/ppo_eval.py
 _BATCH = re.compile(r"b(\d+)\.(\w+)")
+# what the child's forward takes of a recorded batch (a vision-language batch: positions, pixels, grids too)
+MODEL_FIELDS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw")
 
 
 class HeldoutError(ValueError):
@@ -143,11 +145,12 @@ def adapter_inputs(reference_adapter: dict, produced_adapter: dict) -> dict[str,
 
 
 def child_inputs(recorded: dict, adapter: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """What the L6 child gets: each batch's input_ids and attention_mask, the generation settings (gen.*, PPO),
+    """What the L6 child gets: each batch's input_ids and attention_mask (and a vision-language batch's positions,
+    pixels and grids), the generation settings (gen.*, PPO),
     and the adapter. The labels and the batch size stay here: the child returns logits (or responses), the
     score is the grader's."""
     batches = _batches(recorded)
-    return {**{f"b{i}.{f}": b[f] for i, b in sorted(batches.items()) for f in ("input_ids", "attention_mask")},
+    return {**{f"b{i}.{f}": b[f] for i, b in sorted(batches.items()) for f in MODEL_FIELDS if f in b},
             **{k: v for k, v in recorded.items() if k.startswith("gen.")}, **adapter}
 
 

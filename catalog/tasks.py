@@ -43,3 +43,4 @@ def task_method(cfg: DictConfig) -> str | None:
 def recorded_tasks() -> list[str]:
     """The tasks with a reference under references/."""
     return sorted(p.stem for p in (ROOT / "references").glob("*.h5"))
+

@@ -17,7 +17,7 @@ __all__ = ["SAMPLED", "FINISH_CODES", "TOP_LOGPROBS", "sampled_params", "branch_
            "FIXED_STEPS_VARIANT", "FIXED_STEPS_OPTIONS", "DPO_FIXED_STEPS_OPTIONS", "DATA_VARIANTS", "data_fields", "tied_checkpoint",
            "fixed_step_runs", "TIE_METRICS", "WIDTH_METRICS", "width_dependent_metrics", "rewarded_steps", "dpo_trajectory_outputs", "dpo_eval_outputs",
            "PPO_FIXED_STEPS_OPTIONS", "PPO_TIE_STATS", "PPO_NOISE_STATS", "PPO_MOVED_STATS", "moved_steps", "ppo_stats_outputs", "ppo_fixed_step_runs", "ppo_fixed_step_outputs", "prompt_rows", "prompt_features",
-           "ROLLOUT_SAMPLING_OPTIONS", "GAE_OPTIONS", "KL_COEFS", "KL_CONTROLLER_KLS"]
+           "ROLLOUT_SAMPLING_OPTIONS", "GAE_OPTIONS", "KL_COEFS", "KL_CONTROLLER_KLS", "layer_positions"]
 
 # The L5 sampled workload: every optional stage of the sampler at once.
 SAMPLED = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.1)
@@ -100,6 +100,16 @@ def prompt_features(rows) -> list[dict]:
 
 # LF's data options the task leaves off, graded on the same rows by the L1 data checks: the labelled prompts,
 # and the last turn labelled alone and given the cutoff budget first
+def layer_positions(features, positions) -> np.ndarray:
+    """The position ids a layer-level check hands a family: i32[B,T] as given, or (pos:mrope) i32[3,B,T] with
+    three different streams (temporal, height, width) as an image span gives them, so that an M-RoPE section
+    split wrong inside the layer shows (text alone would give three equal rows and hide it)."""
+    positions = np.asarray(positions, np.int32)
+    if "pos:mrope" not in features:
+        return positions
+    return np.stack([positions, positions // 2, positions % 3 + positions // 3]).astype(np.int32)
+
+
 DATA_VARIANTS = {"train_on_prompt": {"train_on_prompt": True}, "mask_history": {"mask_history": True}}
 
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from catalog.layout import layout_arrays
+from catalog.family import language_model, model_class_name
 from catalog.workloads import FIXED_STEPS_OPTIONS, data_fields, fixed_step_runs, tied_checkpoint
 from grader.probes.common import run_probes
 
@@ -34,6 +35,9 @@ class Ctx:
         self.prefix = fam["model_prefix"]
         modname = fam["model_module"][:-3].replace("/", ".")
         self.family = importlib.import_module(f"jax_oracles.{modname}")
+        self.model_class = getattr(self.family, model_class_name(fam))
+        lm_module, self.lm_prefix = language_model(fam)  # the decoder the layer checks read
+        self.lm = importlib.import_module("jax_oracles." + lm_module[:-3].replace("/", "."))
         self.conversion = importlib.import_module(f"conversion.{modname.split('.')[-1]}")
         self.template = fam["template"]
         self.features = frozenset(fam["features"])
@@ -50,8 +54,38 @@ class Ctx:
     def config(self):
         return self.cls("Config").from_pretrained(self.assets["checkpoint"])
 
+    @property
+    def lm_config(self):
+        """The decoder's config: a vision-language family's text config, a text family's own."""
+        return getattr(self.config, "text", self.config)
+
     def cls(self, suffix):
         return getattr(self.family, f"{self.prefix}{suffix}")
+
+    def lm_cls(self, suffix):
+        return getattr(self.lm, f"{self.lm_prefix}{suffix}")
+
+    @property
+    def rope_index(self):
+        """The model's rope_index (M-RoPE families: LF's collator asks the model for positions), else None."""
+        return getattr(self.model_class(self.config), "rope_index", None)
+
+    def collator(self):
+        return self.sft.make_collator(self.args, self.assets["tokenizer"], data_dir=self.assets["data"],
+                                      rope_index=self.rope_index)
+
+    def forward(self, variables, batch: dict, prefix: str = ""):
+        """The model's public forward on a recorded batch: ids and mask, jitted; a vision-language batch also
+        hands over what it recorded of position_ids, pixel_values and image_grid_thw (the grids are host data
+        and the rope index host numpy, so that forward runs eagerly)."""
+        model = self.model_class(self.config)
+        ids, mask = jnp.asarray(batch[prefix + "input_ids"]), jnp.asarray(batch[prefix + "attention_mask"])
+        extra = {k: np.asarray(batch[prefix + k]) for k in MODEL_FIELDS if prefix + k in batch}
+        if not extra and not hasattr(model, "rope_index"):
+            if getattr(self, "_jitted_apply", None) is None:  # one compile per shape across the batches
+                self._jitted_apply = jax.jit(model.apply)
+            return self._jitted_apply(variables, ids, mask)
+        return model.apply(variables, ids, mask, **extra)
 
     @property
     def sft(self):
@@ -96,6 +130,9 @@ def n(x):
     return np.asarray(jax.device_get(x))
 
 
+MODEL_FIELDS = ("position_ids", "pixel_values", "image_grid_thw")  # what a vision-language batch adds
+
+
 # ---- L0 spec -----------------------------------------------------------------------------------
 
 def probe_layout(ctx, inp):
@@ -128,7 +165,7 @@ def probe_lora_trainable(ctx, inp):
 # ---- L1 operators ------------------------------------------------------------------------------
 
 def probe_rms_norm(ctx, inp):
-    return {"y": n(ctx.family.rms_norm(inp["x"], inp["weight"], ctx.config.norm_eps))}
+    return {"y": n(ctx.lm.rms_norm(inp["x"], inp["weight"], ctx.config.norm_eps))}
 
 
 def probe_layer_norm(ctx, inp):
@@ -155,17 +192,17 @@ def probe_alibi(ctx, inp):
 
 
 def probe_mlp(ctx, inp):
-    mlp = ctx.cls("MLP")(ctx.config)
+    mlp = ctx.lm_cls("MLP")(ctx.lm_config)
     return {"y": n(mlp.apply({"params": ctx.layer0_params["mlp"]}, jnp.asarray(inp["x"])))}
 
 
 def probe_activation(ctx, inp):
-    mlp = ctx.cls("MLP")(ctx.config)
+    mlp = ctx.lm_cls("MLP")(ctx.lm_config)
     return {f"y_{k[2:]}": n(mlp.apply({}, jnp.asarray(inp[k]), method="activation")) for k in inp if k.startswith("x_")}
 
 
 def probe_attention_block(ctx, inp):
-    attn = ctx.cls("Attention")(ctx.config)
+    attn = ctx.lm_cls("Attention")(ctx.lm_config)
     out = attn.apply({"params": ctx.layer0_params[ctx.attention]}, jnp.asarray(inp["x"]), ctx.inputs(inp))
     return {"out": n(out)}
 
@@ -184,9 +221,9 @@ def probe_attention_window(ctx, inp):
 
 
 def probe_attention_core(ctx, inp):
-    c = ctx.config
-    mask = ctx.family.causal_mask(jnp.asarray(inp["attention_mask"]))
-    out = ctx.family.eager_attention(jnp.asarray(inp["q"]), jnp.asarray(inp["k"]), jnp.asarray(inp["v"]), mask,
+    c = ctx.lm_config
+    mask = ctx.lm.causal_mask(jnp.asarray(inp["attention_mask"]))
+    out = ctx.lm.eager_attention(jnp.asarray(inp["q"]), jnp.asarray(inp["k"]), jnp.asarray(inp["v"]), mask,
                                      c.head_dim ** -0.5)
     return {"out": n(out)}
 
@@ -217,34 +254,32 @@ def probe_data_labels(ctx, inp):
 
 
 def probe_collate(ctx, inp):
-    batch = ctx.sft.make_collator(ctx.args, ctx.assets["tokenizer"])(_processed(ctx)[:4])
-    return {k: np.asarray(batch[k]).astype(np.int64) for k in ("input_ids", "attention_mask", "labels")}
+    batch = ctx.collator()(_processed(ctx)[:4])
+    return {k: np.asarray(batch[k]).astype(np.int64) for k in ("input_ids", "attention_mask", "labels", "position_ids")
+            if k in batch}
 
 
 # ---- L2 / L3 -----------------------------------------------------------------------------------
 
 def probe_decoder_layer(ctx, inp):
-    layer = ctx.cls("DecoderLayer")(ctx.config)
+    layer = ctx.lm_cls("DecoderLayer")(ctx.lm_config)
     out = layer.apply({"params": ctx.layer0_params}, jnp.asarray(inp["hidden"]), ctx.inputs(inp))
     return {"out": n(out)}
 
 
 def probe_logits(ctx, inp):
-    model = ctx.cls("ForCausalLM")(ctx.config)
-    logits = jax.jit(model.apply)({"params": ctx.params}, jnp.asarray(inp["input_ids"]),
-                                  jnp.asarray(inp["attention_mask"]))
-    return {"logits": n(logits)}
+    return {"logits": n(ctx.forward({"params": ctx.params}, inp))}
 
 
 def probe_logits_unmasked(ctx, inp):
     """One unpadded row, no attention mask (the forward's default); an untied checkpoint also through its tied twin."""
     ids = jnp.asarray(inp["input_ids"])
-    out = {"logits": n(ctx.cls("ForCausalLM")(ctx.config).apply({"params": ctx.params}, ids))}
+    out = {"logits": n(ctx.model_class(ctx.config).apply({"params": ctx.params}, ids))}
     if not ctx.config.tie_word_embeddings:
         with tempfile.TemporaryDirectory() as tmp:
             tied = tied_checkpoint(ctx.assets["checkpoint"], Path(tmp))
             tied_params, tied_config = ctx.conversion.load_params(tied), ctx.cls("Config").from_pretrained(tied)
-        out["logits_tied"] = n(ctx.cls("ForCausalLM")(tied_config).apply({"params": tied_params}, ids))
+        out["logits_tied"] = n(ctx.model_class(tied_config).apply({"params": tied_params}, ids))
     return out
 
 
@@ -336,12 +371,10 @@ def probe_heldout_loss(ctx, inp):
     model = ctx.sft.load_model(ctx.assets["checkpoint"], ctx.sft.lora_config(ctx.args), ctx.args.seed)
     adapter = lora.lora_tree_from_state_dict({k[len("adapter."):]: np.asarray(v) for k, v in inp.items()
                                               if k.startswith("adapter.")})
-    forward = jax.jit(model.module.apply)
     num_batches = len([k for k in inp if k.startswith("b") and k.endswith(".input_ids")])
     out = {}
     for i in range(num_batches):
-        logits = forward({"params": model.params, "lora": adapter}, jnp.asarray(inp[f"b{i}.input_ids"]),
-                         jnp.asarray(inp[f"b{i}.attention_mask"]))
+        logits = ctx.forward({"params": model.params, "lora": adapter}, inp, f"b{i}.")
         out[f"b{i}.logits"] = n(logits).astype(np.float32)
     return out
 
@@ -359,7 +392,8 @@ def method_probes(meta) -> dict:
     """These probes and the task's method's own (configs/method/<name>.yaml `probes`: a module beside this one),
     found by name: a new method registers in its config, not here."""
     extra = meta["task"]["method"].get("probes")
-    return {**PROBES, **(importlib.import_module(f"grader.probes.{extra}").PROBES if extra else {})}
+    vision = importlib.import_module("grader.probes.training_vision").PROBES  # picked by feature tags
+    return {**PROBES, **vision, **(importlib.import_module(f"grader.probes.{extra}").PROBES if extra else {})}
 
 
 def main(inputs_path, outputs_path):

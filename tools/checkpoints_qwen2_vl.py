@@ -3,7 +3,7 @@
 config.json has the release's keys: flat text keys, `rope_scaling: {type: mrope, mrope_section}`, a `vision_config`
 with the release's legacy `in_chans` / `spatial_patch_size`, tied embeddings; tensors `model.*` (the Qwen2 language
 model, drawn by tools/checkpoints_qwen2.py's generator) and `visual.*` (`qwen2_vl_tower_tensors`). Token ids:
-tools/make_vl_checkpoints.py. `python tools/make_vl_checkpoints.py qwen2_vl` reproduces the files byte for byte.
+tools/make_vl_checkpoints.py. `python tools/make_checkpoints.py qwen2_vl` reproduces the files byte for byte.
 """
 
 from __future__ import annotations
@@ -107,3 +107,13 @@ TOKENIZER = {"specials": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|obje
                           "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
                           "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"),
              "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+
+# tools/checkpoints_small.py (scale=small): Qwen2's Llama-like widths (GQA 12/2, head_dim 64, so M-RoPE's sections
+# scale to [8, 12, 12] of 32 rotary pairs, Qwen2-VL-2B's [16, 24, 24] of 64 halved) and a 4-block tower of width
+# 256 whose merger projects into the 768-wide language model
+SMALL_BASE = "llama_like"
+SMALL_OVERRIDES = {"num_key_value_heads": 2, "max_window_layers": 12, "sliding_window": 2048,
+                   "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]},
+                   "vision_config": {**QWEN2_VL_CONFIG["vision_config"], "depth": 4, "embed_dim": 256, "num_heads": 4,
+                                     "hidden_size": 768}}
+

@@ -1,0 +1,120 @@
+"""Run the vision-language checks of a training task on a candidate (the twin of
+recorder/probes/training_vision.py): the image processor on the task's shipped images, the vision rope and the
+M-RoPE positions, the tower's patch embed, block 0, merger and whole tower, and the model's logits and pixel
+gradient on the recorded batch with images. Inputs only; each through the candidate's public names."""
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grader.probes.training import n
+
+
+def _vision():
+    return importlib.import_module("jax_oracles.models.vision")
+
+
+def _plugin(ctx):
+    return importlib.import_module("jax_oracles.training.template").get_template(ctx.template).mm_plugin
+
+
+def _processed_images(ctx, paths):
+    mm = importlib.import_module("jax_oracles.training.mm_plugin")
+    images = mm.regularize_images([str(p) for p in paths], ctx.assets["data"], _plugin(ctx))
+    return images, mm.get_mm_inputs(images, _plugin(ctx))
+
+
+def probe_image_regularize(ctx, inp):
+    images, (_, grid) = _processed_images(ctx, inp["paths"])
+    return {**{f"regularized.{i}": np.asarray(im) for i, im in enumerate(images)},
+            "image_grid_thw": np.asarray(grid).astype(np.int64)}
+
+
+def probe_image_processor(ctx, inp):
+    _, (pixels, _) = _processed_images(ctx, inp["paths"])
+    return {"pixel_values": np.asarray(pixels)}
+
+
+def probe_vision_rope(ctx, inp):
+    c, vision = ctx.config.vision, _vision()
+    pos = vision.vision_rope_positions(np.asarray(inp["grid_thw"]), c.spatial_merge_size)
+    cos, sin = vision.vision_rope_cos_sin(pos, c.head_dim, c.rope_theta)
+    return {"positions": np.asarray(pos).astype(np.float32), "cos": n(cos), "sin": n(sin)}
+
+
+def probe_mrope(ctx, inp):
+    ids, grid, mask = (np.asarray(inp[k]) for k in ("input_ids", "image_grid_thw", "attention_mask"))
+    pos, deltas = ctx.model_class(ctx.config).rope_index(ids, grid, mask)
+    inputs = ctx.family.layer_inputs(ctx.config, jnp.asarray(mask), jnp.asarray(pos))
+    return {"position_ids": np.asarray(pos).astype(np.float32), "rope_deltas": np.asarray(deltas).astype(np.float32),
+            "cos": n(inputs.cos), "sin": n(inputs.sin)}
+
+
+def _visual(ctx):
+    return ctx.params["visual"]
+
+
+def probe_patch_embed(ctx, inp):
+    p = _visual(ctx)["patch_embed"]
+    E, C, T, ps, _ = p["weight"].shape
+    layer = _vision().PatchEmbed(E, C, T, ps, use_bias="bias" in p)
+    return {"y": n(layer.apply({"params": p}, jnp.asarray(inp["pixel_values"])))}
+
+
+def probe_vision_block(ctx, inp):
+    c, vision = ctx.config.vision, _vision()
+    grid = np.asarray(inp["grid_thw"])
+    cos, sin = vision.vision_rope_cos_sin(vision.vision_rope_positions(grid, c.spatial_merge_size), c.head_dim,
+                                          c.rope_theta)
+    block = vision.vision_block(c)
+    out = block.apply({"params": _visual(ctx)["blocks_0"]}, jnp.asarray(inp["x"]), vision.vision_cu_seqlens(grid),
+                      jnp.asarray(cos), jnp.asarray(sin))
+    return {"out": n(out)}
+
+
+def probe_vision_merger(ctx, inp):
+    merger = _vision().vision_merger(ctx.config.vision)
+    return {"out": n(merger.apply({"params": _visual(ctx)["merger"]}, jnp.asarray(inp["x"])))}
+
+
+def probe_vision_tower(ctx, inp):
+    model = ctx.model_class(ctx.config)
+    out = model.apply({"params": ctx.params}, jnp.asarray(inp["pixel_values"]), np.asarray(inp["image_grid_thw"]),
+                      method="encode_images")
+    embeds, deepstack = (out[0], out[1]) if isinstance(out, tuple) else (out, [])
+    return {"embeds": n(embeds), **{f"deepstack.{k}": n(d) for k, d in enumerate(deepstack)}}
+
+
+def _image_batch(inp):
+    return (np.asarray(inp["input_ids"]), np.asarray(inp["attention_mask"]), np.asarray(inp["image_grid_thw"]),
+            jnp.asarray(inp["pixel_values"]))
+
+
+def probe_logits_images(ctx, inp):
+    ids, mask, grid, pixels = _image_batch(inp)
+    logits = ctx.model_class(ctx.config).apply({"params": ctx.params}, ids, mask, pixel_values=pixels,
+                                               image_grid_thw=grid)
+    return {"logits": n(logits)}
+
+
+def probe_pixel_grad(ctx, inp):
+    loss_mod = importlib.import_module("jax_oracles.training.loss")
+    ids, mask, grid, pixels = _image_batch(inp)
+    labels = np.asarray(inp["labels"])
+    model = ctx.model_class(ctx.config)
+
+    def loss_fn(pixel_values):
+        logits = model.apply({"params": ctx.params}, ids, mask, pixel_values=pixel_values, image_grid_thw=grid)
+        return loss_mod.causal_lm_loss(logits, jnp.asarray(labels), loss_mod.count_label_tokens(labels))
+
+    loss, grad = jax.value_and_grad(loss_fn)(pixels)
+    return {"loss": np.float32(loss), "grad": n(grad)}
+
+
+PROBES = {"image_regularize": probe_image_regularize, "image_processor": probe_image_processor,
+          "vision_rope": probe_vision_rope, "mrope": probe_mrope, "patch_embed": probe_patch_embed,
+          "vision_block": probe_vision_block, "vision_merger": probe_vision_merger,
+          "vision_tower": probe_vision_tower, "logits_images": probe_logits_images, "pixel_grad": probe_pixel_grad}

@@ -1,0 +1,199 @@
+"""Record the vision-language checks of a training task (feature tags vision:qwen, pos:mrope, data:images;
+catalog/checks.py) from the pure-PyTorch sources: the image processor on the task's shipped images, the vision
+rope and M-RoPE positions, the tower's patch embed, one block, the merger and the whole tower, and the model's
+logits and the loss's gradient with respect to the pixel values on a batch with images.
+
+The twin of grader/probes/training_vision.py. Every input is drawn from numpy or read from the task's data dir;
+the batch with images is built here from the shipped images and recorded whole (ids, mask, pixels, grids), so
+the model-level checks never depend on a method's data pipeline.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from catalog.provenance import ROOT
+from recorder.probes.training import n, rng_for, t
+
+# two images of different shapes (their merge blocks cross both axes), then a third in a second row
+VISION_GRIDS = np.array([[1, 4, 6], [1, 6, 4], [1, 2, 2]], np.int64)
+IMAGE_ROWS = ((0,), (1, 2))  # which of the batch's images each row of the logits batch holds
+
+
+def _mm_plugin(ctx):
+    return importlib.import_module("torch_sources.training.mm_plugin")
+
+
+def _plugin(ctx):
+    """The task template's mm plugin (LF's get_mm_plugin for the family's template)."""
+    template = importlib.import_module("torch_sources.training.template").get_template(ctx.cfg.family.template)
+    return template.mm_plugin
+
+
+def shipped_images(data_dir: Path) -> list[str]:
+    """The task's images: every PNG beside its data rows, by name."""
+    return sorted(p.name for p in Path(data_dir).glob("*.png"))
+
+
+def _processed_images(ctx, names):
+    mm = _mm_plugin(ctx)
+    images = mm.regularize_images(list(names), ROOT / ctx.cfg.data.dir, _plugin(ctx))
+    return images, mm.get_mm_inputs(images, _plugin(ctx))
+
+
+def probe_image_regularize(ctx):
+    """Every shipped image decoded and through LF's regularization (max/min pixels, RGB, the Qwen2-VL size rules),
+    exactly (uint8), and the processor's patch grids (smart_resize's rounding)."""
+    names = shipped_images(ROOT / ctx.cfg.data.dir)
+    images, (_, grid) = _processed_images(ctx, names)
+    out = {f"regularized.{i}": np.asarray(im, np.uint8) for i, im in enumerate(images)}
+    return {"paths": np.array(names)}, {**out, "image_grid_thw": n(grid).astype(np.int64)}
+
+
+def probe_image_processor(ctx):
+    """The HF processor's pixel values of every shipped image (bicubic resize, rescale, normalise, temporal
+    patch, merge-block flattening)."""
+    names = shipped_images(ROOT / ctx.cfg.data.dir)
+    _, (pixels, _) = _processed_images(ctx, names)
+    return {"paths": np.array(names)}, {"pixel_values": n(pixels)}
+
+
+def probe_vision_rope(ctx):
+    """Each patch's (row, column) in merge-block order and the tower's rotary cos/sin."""
+    vision = importlib.import_module("torch_sources.models.vision")
+    c = ctx.config.vision
+    pos = vision.vision_rope_positions(t(VISION_GRIDS), c.spatial_merge_size)
+    cos, sin = vision.vision_rope_cos_sin(pos, c.head_dim, c.rope_theta)
+    return {"grid_thw": VISION_GRIDS}, {"positions": n(pos).astype(np.float32), "cos": n(cos), "sin": n(sin)}
+
+
+def _mrope_case(ctx):
+    """Two rows: text, an image (a 4x6 patch grid: 2x3 merged), text, right-padded; and text, two images (2x3
+    and 1x1 merged) with text between and after. Returns ids i64[2,T], grids i64[3,3], mask i64[2,T]."""
+    c, r = ctx.config, rng_for("mrope")
+    start, end = c.vision_start_token_id, _config_json(ctx)["vision_end_token_id"]
+
+    def image(i):
+        return [start] + [c.image_token_id] * (int(np.prod(VISION_GRIDS[i])) // c.vision.spatial_merge_size ** 2) + [end]
+
+    def text(k):
+        return [int(x) for x in r.integers(0, start - 9, k)]
+
+    rows = [text(3) + image(0) + text(4), text(2) + image(1) + text(1) + image(2) + text(3)]
+    T = max(map(len, rows)) + 2
+    ids = np.zeros((2, T), np.int64)
+    mask = np.zeros((2, T), np.int64)
+    for b, row in enumerate(rows):
+        ids[b, :len(row)], mask[b, :len(row)] = row, 1
+    return ids, VISION_GRIDS, mask
+
+
+def _config_json(ctx) -> dict:
+    return json.loads((Path(ctx.ckpt) / "config.json").read_text())
+
+
+def probe_mrope(ctx):
+    """The rope index (transformers' get_rope_index: text runs, each image's t/h/w grid, padding) and the
+    M-RoPE cos/sin of the decoder (its mrope_section split, interleaved or not)."""
+    ids, grid, mask = _mrope_case(ctx)
+    pos, deltas = ctx.model.rope_index(t(ids), t(grid), t(mask))
+    inputs = ctx.family.layer_inputs(ctx.config, t(mask), pos)
+    return {"input_ids": ids, "image_grid_thw": grid, "attention_mask": mask}, {
+        "position_ids": n(pos).astype(np.float32), "rope_deltas": n(deltas).astype(np.float32),
+        "cos": n(inputs.cos), "sin": n(inputs.sin)}
+
+
+def _patches(ctx, name, grid=VISION_GRIDS[:2]):
+    """Random pixel patches for `grid`'s images, in the processor's flattened (C, T, ps, ps) layout."""
+    c = ctx.config.vision
+    width = c.in_channels * c.temporal_patch_size * c.patch_size ** 2
+    return rng_for(name).standard_normal((int(np.prod(grid, axis=1).sum()), width)).astype(np.float32)
+
+
+def probe_patch_embed(ctx):
+    x = _patches(ctx, "patch_embed")
+    return {"pixel_values": x}, {"y": n(ctx.model.visual.patch_embed(t(x)))}
+
+
+def probe_vision_block(ctx):
+    """The tower's block 0 on random patch states of two images: per-image attention (cu_seqlens from the grid)
+    under the 2-D vision rope."""
+    vision = importlib.import_module("torch_sources.models.vision")
+    c, grid = ctx.config.vision, VISION_GRIDS[:2]
+    width = ctx.model.visual.blocks[0].norm1.weight.shape[0]
+    x = rng_for("vision_block").standard_normal((int(np.prod(grid, axis=1).sum()), width)).astype(np.float32)
+    cos, sin = vision.vision_rope_cos_sin(vision.vision_rope_positions(t(grid), c.spatial_merge_size), c.head_dim,
+                                          c.rope_theta)
+    out = ctx.model.visual.blocks[0](t(x), vision.vision_cu_seqlens(t(grid)), cos, sin)
+    return {"x": x, "grid_thw": grid}, {"out": n(out)}
+
+
+def probe_vision_merger(ctx):
+    width = ctx.model.visual.blocks[0].norm1.weight.shape[0]
+    x = rng_for("vision_merger").standard_normal((40, width)).astype(np.float32)
+    return {"x": x}, {"out": n(ctx.model.visual.merger(t(x)))}
+
+
+def probe_vision_tower(ctx):
+    """The whole tower (patch embed, blocks, merger; Qwen3-VL: its deepstack features too) on the processed
+    pixels of two shipped images."""
+    _, (pixels, grid) = _processed_images(ctx, shipped_images(ROOT / ctx.cfg.data.dir)[:2])
+    out = ctx.model.encode_images(pixels, grid)
+    embeds, deepstack = (out[0], out[1]) if isinstance(out, tuple) else (out, [])
+    return {"pixel_values": n(pixels), "image_grid_thw": n(grid)}, {
+        "embeds": n(embeds), **{f"deepstack.{k}": n(d) for k, d in enumerate(deepstack)}}
+
+
+def image_batch(ctx):
+    """A batch with images, built from the shipped images: row 0 holds one, row 1 two (with text between), row 0
+    right-padded; pixels and grids as the processor gives them; labels on the text tokens only."""
+    names = shipped_images(ROOT / ctx.cfg.data.dir)[:3]
+    _, (pixels, grid) = _processed_images(ctx, names)
+    c, r = ctx.config, rng_for("image_batch")
+    start, end = c.vision_start_token_id, _config_json(ctx)["vision_end_token_id"]
+    merge = c.vision.spatial_merge_size ** 2
+
+    def image(i):
+        return [start] + [c.image_token_id] * (int(np.prod(n(grid)[i])) // merge) + [end]
+
+    def text(k):
+        return [int(x) for x in r.integers(0, start - 9, k)]
+
+    rows = [text(5) + image(0) + text(6), text(3) + image(1) + text(2) + image(2) + text(4)]
+    T = max(map(len, rows)) + 3
+    ids, mask = np.zeros((2, T), np.int64), np.zeros((2, T), np.int64)
+    for b, row in enumerate(rows):
+        ids[b, :len(row)], mask[b, :len(row)] = row, 1
+    labels = np.where((mask == 1) & (ids != c.image_token_id), ids, -100)
+    return {"input_ids": ids, "attention_mask": mask, "pixel_values": n(pixels), "image_grid_thw": n(grid)}, labels
+
+
+def probe_logits_images(ctx):
+    """Full-model logits of the batch with images, positions from the model's own rope index."""
+    batch, _ = image_batch(ctx)
+    with torch.no_grad():
+        logits = ctx.model(t(batch["input_ids"]), t(batch["attention_mask"]), pixel_values=t(batch["pixel_values"]),
+                           image_grid_thw=t(batch["image_grid_thw"]))
+    return batch, {"logits": n(logits)}
+
+
+def probe_pixel_grad(ctx):
+    """The SFT loss of the batch with images (the token mean over its text labels) and its gradient with respect
+    to the pixel values: image content through the tower, the merge into the sequence and every attended layer."""
+    loss_mod = importlib.import_module("torch_sources.training.loss")
+    batch, labels = image_batch(ctx)
+    pixels = t(batch["pixel_values"]).clone().requires_grad_(True)
+    logits = ctx.model(t(batch["input_ids"]), t(batch["attention_mask"]), pixel_values=pixels,
+                       image_grid_thw=t(batch["image_grid_thw"]))
+    loss = loss_mod.causal_lm_loss(logits, t(labels), loss_mod.count_label_tokens(labels))
+    (grad,) = torch.autograd.grad(loss, pixels)
+    return {**batch, "labels": labels}, {"loss": np.float32(loss.item()), "grad": n(grad)}
+
+
+PROBES = {"image_regularize": probe_image_regularize, "image_processor": probe_image_processor, "vision_rope": probe_vision_rope, "mrope": probe_mrope,
+          "patch_embed": probe_patch_embed, "vision_block": probe_vision_block, "vision_merger": probe_vision_merger,
+          "vision_tower": probe_vision_tower, "logits_images": probe_logits_images, "pixel_grad": probe_pixel_grad}
