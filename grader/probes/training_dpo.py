@@ -33,9 +33,14 @@ def probe_pairwise_labels(ctx, inp):
     return _pair_fields(ctx, "labels", -7)
 
 
+def _collator(ctx):
+    return ctx.workflow.make_collator(ctx.args, ctx.assets["tokenizer"], data_dir=ctx.assets["data"],
+                                      rope_index=ctx.rope_index)
+
+
 def probe_pairwise_collate(ctx, inp):
-    batch = ctx.workflow.make_collator(ctx.args, ctx.assets["tokenizer"])(_pairs(ctx)[:4])
-    return {k: np.asarray(batch[k]).astype(np.int64) for k in FIELDS}
+    batch = _collator(ctx)(_pairs(ctx)[:4])
+    return {k: np.asarray(batch[k]).astype(np.int64) for k in (*FIELDS, "position_ids") if k in batch}
 
 
 # ---- L3 / L4 -----------------------------------------------------------------------------------
@@ -48,10 +53,21 @@ def probe_sequence_logps(ctx, inp):
     model = _model(ctx)
     variables = {"params": model.params, "lora": ctx.lora.lora_tree_from_state_dict(_lora_from_inputs(inp))}
     batch = {k: jnp.asarray(inp[k]) for k in FIELDS}
+    if "position_ids" in inp:  # a vision-language batch: its positions and the frozen tower's image features
+        batch["position_ids"] = jnp.asarray(inp["position_ids"])
+        batch.update(_image_features(ctx, model, inp))
     out = ctx.workflow.concatenated_forward(model.module, variables, batch)
     ref_chosen, ref_rejected = ctx.workflow.reference_log_probs(model.module, variables, batch)
     return {"chosen_logps": n(out["chosen_logps"]), "rejected_logps": n(out["rejected_logps"]),
             "ref_chosen_logps": n(ref_chosen), "ref_rejected_logps": n(ref_rejected)}
+
+
+def _image_features(ctx, model, inp) -> dict:
+    """The recorded pixels through the candidate's encode_images, as the forward's keywords."""
+    if "pixel_values" not in inp:
+        return {}
+    encoded = ctx.sft.encode_images(model, np.asarray(inp["pixel_values"]), np.asarray(inp["image_grid_thw"]))
+    return dict(encoded) if isinstance(encoded, dict) else {"image_embeds": encoded}
 
 
 def _step0(ctx, inp):
@@ -112,13 +128,11 @@ def probe_heldout_preference(ctx, inp):
     adapter = ctx.lora.lora_tree_from_state_dict({k[len("adapter."):]: np.asarray(v) for k, v in inp.items()
                                                   if k.startswith("adapter.")})
     variables = {"params": model.params, "lora": adapter}
-    forward = jax.jit(model.module.apply)
     num_batches = len([k for k in inp if k.startswith("b") and k.endswith(".input_ids")])
     out = {}
     for i in range(num_batches):
-        ids, mask = jnp.asarray(inp[f"b{i}.input_ids"]), jnp.asarray(inp[f"b{i}.attention_mask"])
-        out[f"b{i}.logits"] = n(forward(variables, ids, mask)).astype(np.float32)
-        out[f"b{i}.ref_logits"] = n(forward(ctx.lora.disable_adapter(variables), ids, mask)).astype(np.float32)
+        out[f"b{i}.logits"] = n(ctx.forward(variables, inp, f"b{i}.")).astype(np.float32)
+        out[f"b{i}.ref_logits"] = n(ctx.forward(ctx.lora.disable_adapter(variables), inp, f"b{i}.")).astype(np.float32)
     return out
 
 

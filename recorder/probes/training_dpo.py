@@ -10,7 +10,7 @@ import torch
 from catalog.heldout import preference_metrics
 from catalog.provenance import ROOT
 from catalog.workloads import DPO_FIXED_STEPS_OPTIONS, dpo_eval_outputs, dpo_trajectory_outputs, fixed_step_runs, metric_key, pad_rows, rewarded_steps, width_dependent_metrics
-from recorder.probes.training import _flatten_steps, _lora_init, n, rng_for, t
+from recorder.probes.training import _flatten_steps, _lora_init, batch_arrays, n, rng_for, t
 
 ADAPTER_SCALE = 0.05  # lora_B of the step-0 checks: a policy that differs from the reference
 
@@ -20,8 +20,10 @@ def _pairs(ctx, split: str = "train") -> list[dict]:
                                               ctx.args)
 
 
-def _collator(ctx):
-    return ctx.workflow.make_collator(ctx.args, ROOT / ctx.cfg.family.tokenizer)
+def _collator(ctx, rope_index=None):
+    """train_dpo's collator (a vision-language template's loads the rows' images and takes the rope index)."""
+    return ctx.workflow.make_collator(ctx.args, ROOT / ctx.cfg.family.tokenizer, data_dir=ROOT / ctx.cfg.data.dir,
+                                      rope_index=rope_index or ctx.rope_index)
 
 
 # ---- L1 data -----------------------------------------------------------------------------------
@@ -42,7 +44,8 @@ def probe_pairwise_labels(ctx):
 
 def probe_pairwise_collate(ctx):
     batch = _collator(ctx)(_pairs(ctx)[:4])
-    return {}, {k: n(batch[k]).astype(np.int64) for k in ("input_ids", "attention_mask", "labels")}
+    return {}, {k: n(batch[k]).astype(np.int64) for k in ("input_ids", "attention_mask", "labels", "position_ids")
+                if k in batch}
 
 
 # ---- L3 / L4 -----------------------------------------------------------------------------------
@@ -66,7 +69,9 @@ def _adapter(ctx) -> dict[str, np.ndarray]:
 
 
 def _torch_batch(mb: dict) -> dict[str, torch.Tensor]:
-    return {k: torch.from_numpy(np.asarray(v)).long() for k, v in mb.items()}
+    """A recorded batch as the torch workflow takes it: ids, masks, labels, positions and grids long; pixels float."""
+    return {k: torch.from_numpy(np.asarray(v)).to(torch.float32 if np.asarray(v).dtype.kind == "f" else torch.long)
+            for k, v in batch_arrays(mb).items()}
 
 
 def probe_sequence_logps(ctx):
@@ -78,7 +83,7 @@ def probe_sequence_logps(ctx):
     with torch.no_grad():
         out = ctx.workflow.concatenated_forward(model, batch)
     ref_chosen, ref_rejected = ctx.workflow.reference_log_probs(model, batch)
-    inputs = {**{k: np.asarray(v).astype(np.int32) for k, v in mb.items()}, **{f"lora.{k}": v for k, v in adapter.items()}}
+    inputs = {**batch_arrays(mb), **{f"lora.{k}": v for k, v in adapter.items()}}
     return inputs, {"chosen_logps": n(out["chosen_logps"]), "rejected_logps": n(out["rejected_logps"]),
                     "ref_chosen_logps": n(ref_chosen), "ref_rejected_logps": n(ref_rejected)}
 
@@ -147,25 +152,30 @@ def probe_dpo_e2e_eval(ctx):
                                                                  width_dependent_metrics(ctx.features))
 
 
-def _heldout_batches(ctx) -> list[dict[str, np.ndarray]]:
+def _heldout_batches(ctx, rope_index=None) -> list[dict[str, np.ndarray]]:
     """The eval pairs in order, in batches of per_device_eval_batch_size, collated as the source's
-    evaluation collates them (pad id 0, to a multiple of 8)."""
+    evaluation collates them (to a multiple of 8; text rows padded with 0, whose id no log-prob reads; a
+    vision-language task's with its images and M-RoPE positions, as train_dpo's evaluation does)."""
     held_out, size = _pairs(ctx, "eval"), ctx.args.per_device_eval_batch_size
-    collate = ctx.workflow.make_collator(ctx.args)
-    return [{k: n(v).astype(np.int32) for k, v in collate(held_out[s:s + size]).items()}
-            for s in range(0, len(held_out), size)]
+    collate = ctx.workflow.make_collator(ctx.args) if rope_index is None else _collator(ctx, rope_index)
+    return [batch_arrays(collate(held_out[s:s + size])) for s in range(0, len(held_out), size)]
+
+
+def _adapted_model(ctx, adapter: dict):
+    model = ctx.workflow.load_model(ctx.ckpt, ctx.workflow.lora_config(ctx.args), ctx.args.seed)
+    ctx.lora.load_lora_state_dict(model, adapter)
+    return model
 
 
 @torch.no_grad()
-def _heldout_logits(ctx, batches, adapter: dict) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    model = ctx.workflow.load_model(ctx.ckpt, ctx.workflow.lora_config(ctx.args), ctx.args.seed)
-    ctx.lora.load_lora_state_dict(model, adapter)
+def _heldout_logits(ctx, model, batches) -> tuple[list[np.ndarray], list[np.ndarray]]:
     policy, reference = [], []
     for b in batches:
-        ids, mask = t(b["input_ids"]).long(), t(b["attention_mask"]).long()
-        policy.append(n(model(ids, mask)))
+        tb = _torch_batch(b)
+        ids, mask, extra = tb["input_ids"], tb["attention_mask"], ctx.sft.model_inputs(tb)
+        policy.append(n(model(ids, mask, **extra)))
         with ctx.lora.disable_adapter(model):
-            reference.append(n(model(ids, mask)))
+            reference.append(n(model(ids, mask, **extra)))
     return policy, reference
 
 
@@ -177,9 +187,10 @@ def probe_heldout_preference(ctx):
     runs = [ctx.run() if s == ctx.args.seed else ctx.train(s) for s in ctx.cfg.method.band_seeds]
     metrics = {"loss": "loss", "accuracy": "rewards/accuracies"}
     spread = {m: [float(r.eval_after[k]) for r in runs] for m, k in metrics.items()}
-    batches = _heldout_batches(ctx)
+    model = _adapted_model(ctx, ctx.run().lora_state_dict)
+    batches = _heldout_batches(ctx, getattr(model, "rope_index", None))
     a = ctx.args
-    ours = preference_metrics(*_heldout_logits(ctx, batches, ctx.run().lora_state_dict), [b["labels"] for b in batches],
+    ours = preference_metrics(*_heldout_logits(ctx, model, batches), [b["labels"] for b in batches],
                               a.pref_beta, a.dpo_label_smoothing, a.pref_ftx)
     theirs = {m: float(ctx.run().eval_after[k]) for m, k in metrics.items()}
     if abs(ours["loss"] - theirs["loss"]) > 1e-5 * abs(theirs["loss"]) or ours["accuracy"] != theirs["accuracy"]:
