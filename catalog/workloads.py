@@ -17,7 +17,7 @@ __all__ = ["SAMPLED", "FINISH_CODES", "TOP_LOGPROBS", "sampled_params", "branch_
            "FIXED_STEPS_VARIANT", "FIXED_STEPS_OPTIONS", "DPO_FIXED_STEPS_OPTIONS", "DATA_VARIANTS", "data_fields", "tied_checkpoint",
            "fixed_step_runs", "TIE_METRICS", "WIDTH_METRICS", "width_dependent_metrics", "rewarded_steps", "dpo_trajectory_outputs", "dpo_eval_outputs",
            "PPO_FIXED_STEPS_OPTIONS", "PPO_TIE_STATS", "PPO_NOISE_STATS", "PPO_MOVED_STATS", "moved_steps", "ppo_stats_outputs", "ppo_fixed_step_runs", "ppo_fixed_step_outputs", "prompt_rows", "prompt_features",
-           "ROLLOUT_SAMPLING_OPTIONS", "GAE_OPTIONS", "KL_COEFS", "KL_CONTROLLER_KLS", "layer_positions"]
+           "ROLLOUT_SAMPLING_OPTIONS", "GAE_OPTIONS", "KL_COEFS", "KL_CONTROLLER_KLS", "layer_positions", "tower_outputs"]
 
 # The L5 sampled workload: every optional stage of the sampler at once.
 SAMPLED = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.1)
@@ -108,6 +108,22 @@ def layer_positions(features, positions) -> np.ndarray:
     if "pos:mrope" not in features:
         return positions
     return np.stack([positions, positions // 2, positions % 3 + positions // 3]).astype(np.int32)
+
+
+def tower_outputs(encoded, to_numpy) -> dict[str, np.ndarray]:
+    """A family's encode_images output as the vision_tower check's arrays: {"embeds" f32[n,D]} and, for a tower with
+    DeepStack features, {"deepstack" f32[n,K,D]}, whether the family returns the merged patches alone, a
+    (patches, [features]) pair, or its forward keywords {image_embeds, deepstack_embeds}."""
+    if isinstance(encoded, dict):
+        embeds, deepstack = encoded["image_embeds"], encoded.get("deepstack_embeds")
+    elif isinstance(encoded, tuple):
+        embeds, deepstack = encoded[0], (np.stack([to_numpy(d) for d in encoded[1]], axis=1) if encoded[1] else None)
+    else:
+        embeds, deepstack = encoded, None
+    out = {"embeds": np.asarray(to_numpy(embeds), np.float32)}
+    if deepstack is not None:
+        out["deepstack"] = np.asarray(to_numpy(deepstack), np.float32)
+    return out
 
 
 DATA_VARIANTS = {"train_on_prompt": {"train_on_prompt": True}, "mask_history": {"mask_history": True}}

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from catalog.workloads import tower_outputs
 from grader.probes.training import n
 
 
@@ -54,7 +55,11 @@ def probe_mrope(ctx, inp):
 
 
 def _visual(ctx):
-    return ctx.params["visual"]
+    """The tower's params (the family yaml's `vision_tower` path: visual, or model/visual)."""
+    tree = ctx.params
+    for key in ctx.meta["task"]["family"].get("vision_tower", "visual").split("."):
+        tree = tree[key]
+    return tree
 
 
 def probe_patch_embed(ctx, inp):
@@ -84,8 +89,7 @@ def probe_vision_tower(ctx, inp):
     model = ctx.model_class(ctx.config)
     out = model.apply({"params": ctx.params}, jnp.asarray(inp["pixel_values"]), np.asarray(inp["image_grid_thw"]),
                       method="encode_images")
-    embeds, deepstack = (out[0], out[1]) if isinstance(out, tuple) else (out, [])
-    return {"embeds": n(embeds), **{f"deepstack.{k}": n(d) for k, d in enumerate(deepstack)}}
+    return tower_outputs(out, n)
 
 
 def _image_batch(inp):

@@ -17,11 +17,17 @@ import numpy as np
 import torch
 
 from catalog.provenance import ROOT
+from catalog.workloads import tower_outputs
 from recorder.probes.training import n, rng_for, t
 
 # two images of different shapes (their merge blocks cross both axes), then a third in a second row
 VISION_GRIDS = np.array([[1, 4, 6], [1, 6, 4], [1, 2, 2]], np.int64)
 IMAGE_ROWS = ((0,), (1, 2))  # which of the batch's images each row of the logits batch holds
+
+
+def _visual(ctx):
+    """The tower module (the family yaml's `vision_tower` path: Qwen2-VL's `visual`, Qwen3-VL's `model.visual`)."""
+    return ctx.model.get_submodule(ctx.cfg.family.get("vision_tower", "visual"))
 
 
 def _mm_plugin(ctx):
@@ -116,7 +122,7 @@ def _patches(ctx, name, grid=VISION_GRIDS[:2]):
 
 def probe_patch_embed(ctx):
     x = _patches(ctx, "patch_embed")
-    return {"pixel_values": x}, {"y": n(ctx.model.visual.patch_embed(t(x)))}
+    return {"pixel_values": x}, {"y": n(_visual(ctx).patch_embed(t(x)))}
 
 
 def probe_vision_block(ctx):
@@ -124,28 +130,26 @@ def probe_vision_block(ctx):
     under the 2-D vision rope."""
     vision = importlib.import_module("torch_sources.models.vision")
     c, grid = ctx.config.vision, VISION_GRIDS[:2]
-    width = ctx.model.visual.blocks[0].norm1.weight.shape[0]
+    width = _visual(ctx).blocks[0].norm1.weight.shape[0]
     x = rng_for("vision_block").standard_normal((int(np.prod(grid, axis=1).sum()), width)).astype(np.float32)
     cos, sin = vision.vision_rope_cos_sin(vision.vision_rope_positions(t(grid), c.spatial_merge_size), c.head_dim,
                                           c.rope_theta)
-    out = ctx.model.visual.blocks[0](t(x), vision.vision_cu_seqlens(t(grid)), cos, sin)
+    out = _visual(ctx).blocks[0](t(x), vision.vision_cu_seqlens(t(grid)), cos, sin)
     return {"x": x, "grid_thw": grid}, {"out": n(out)}
 
 
 def probe_vision_merger(ctx):
-    width = ctx.model.visual.blocks[0].norm1.weight.shape[0]
+    width = _visual(ctx).blocks[0].norm1.weight.shape[0]
     x = rng_for("vision_merger").standard_normal((40, width)).astype(np.float32)
-    return {"x": x}, {"out": n(ctx.model.visual.merger(t(x)))}
+    return {"x": x}, {"out": n(_visual(ctx).merger(t(x)))}
 
 
 def probe_vision_tower(ctx):
     """The whole tower (patch embed, blocks, merger; Qwen3-VL: its deepstack features too) on the processed
     pixels of two shipped images."""
     _, (pixels, grid) = _processed_images(ctx, shipped_images(ROOT / ctx.cfg.data.dir)[:2])
-    out = ctx.model.encode_images(pixels, grid)
-    embeds, deepstack = (out[0], out[1]) if isinstance(out, tuple) else (out, [])
-    return {"pixel_values": n(pixels), "image_grid_thw": n(grid)}, {
-        "embeds": n(embeds), **{f"deepstack.{k}": n(d) for k, d in enumerate(deepstack)}}
+    out = tower_outputs(ctx.model.encode_images(pixels, grid), n)
+    return {"pixel_values": n(pixels), "image_grid_thw": n(grid)}, out
 
 
 def image_batch(ctx):

@@ -19,8 +19,11 @@ from torch_sources.training.template import get_template
 ROOT = Path(__file__).resolve().parents[2]
 FEATURES = {"norm:rms", "norm:layer", "pos:rope", "pos:alibi", "rope:llama3", "rope:partial", "rope:longrope", "mlp:gated",
             "mlp:plain", "mlp:fused_gate_up", "qkv:fused", "attn:qkv_bias", "attn:qk_norm", "attn:sliding_window",
-            "residual:parallel", "embed:layernorm", "data:train_on_prompt"}
+            "residual:parallel", "embed:layernorm", "data:train_on_prompt",
+            "pos:mrope", "vision:qwen", "data:images"}  # the Qwen vision-language line (issue 32)
 TEXT_FAMILIES = ("llama3", "bloom", "falcon", "mistral", "qwen2", "qwen3", "phi4", "starcoder2")
+VL_FAMILIES = ("qwen2_vl",)
+TRAINING_FAMILIES = TEXT_FAMILIES + VL_FAMILIES
 KEYS = {"name", "checkpoint", "tokenizer", "template", "model_module", "model_prefix", "reward_model", "layers",
         "attention", "features"}
 
@@ -29,7 +32,7 @@ def _family(name: str) -> dict:
     return yaml.safe_load((ROOT / "configs/family" / f"{name}.yaml").read_text())
 
 
-@pytest.mark.parametrize("name", TEXT_FAMILIES)
+@pytest.mark.parametrize("name", TRAINING_FAMILIES)
 def test_family_yaml_is_complete_and_its_features_are_known(name):
     fam = _family(name)
     assert KEYS <= fam.keys(), sorted(KEYS - fam.keys())
@@ -40,14 +43,14 @@ def test_family_yaml_is_complete_and_its_features_are_known(name):
     # the train_on_prompt check is for the templates that allow it (LF refuses it with efficient_eos)
     assert ("data:train_on_prompt" in fam["features"]) == (not get_template(fam["template"]).efficient_eos)
     for method in ("sft", "dpo", "ppo"):
-        assert f"{name}-{method}" in known_tasks()
+        assert f"{name.replace('_', '-')}-{method}" in known_tasks()
 
 
 def test_every_catalog_feature_is_a_known_tag_and_some_family_has_it():
     spec, checks = checks_for("training")
     used = {f for s in spec + checks for f in s.features}
     assert used <= FEATURES
-    held = {f for name in TEXT_FAMILIES for f in _family(name)["features"]}
+    held = {f for name in TRAINING_FAMILIES for f in _family(name)["features"]}
     assert used <= held, f"checks no family can reach: {sorted(used - held)}"
 
 
@@ -58,6 +61,8 @@ def test_every_catalog_feature_is_a_known_tag_and_some_family_has_it():
     ("mistral", {"rms_norm", "rope", "attention_window"}, {"qkv_split", "layer_norm"}),
     ("phi4", {"rms_norm", "rope", "qkv_split"}, {"alibi", "attention_window"}),
     ("starcoder2", {"layer_norm", "rope", "attention_window"}, {"rms_norm", "qkv_split"}),
+    ("qwen2-vl", {"rms_norm", "mrope", "image_regularize", "image_processor", "vision_rope", "patch_embed"},
+     {"rope", "layer_norm", "alibi", "qkv_split"}),
 ])
 def test_features_pick_the_l1_checks(name, present, absent):
     cfg = compose_task(f"{name}-sft")

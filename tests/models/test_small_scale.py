@@ -53,7 +53,10 @@ def _transformers_dict(config: dict) -> tuple[dict, list[str]]:
             obj = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
     finally:
         logger.removeHandler(handler)
-    return obj.to_dict(), records + [str(w.message) for w in caught]
+    built = obj.to_dict()
+    if "text_config" in built:  # a vision-language config: transformers 5 nests the release's flat text keys
+        built = {**built.pop("text_config"), **built}
+    return built, records + [str(w.message) for w in caught]
 
 
 def _lost(config: dict, built: dict) -> set[str]:
@@ -221,8 +224,10 @@ TORCH_CLASSES = {"llama3": "llama3.LlamaForCausalLM", "llama3-reward": "llama3.L
                  "gemma4": "gemma4.Gemma4ForCausalLM", "bloom": "bloom.BloomForCausalLM",
                  "falcon": "falcon.FalconForCausalLM", "mistral": "mistral.MistralForCausalLM",
                  "qwen2": "qwen2.Qwen2ForCausalLM", "qwen3": "qwen3.Qwen3ForCausalLM", "phi4": "phi4.Phi3ForCausalLM",
-                 "starcoder2": "starcoder2.Starcoder2ForCausalLM", "gpt_oss": "gpt_oss.GptOssForCausalLM"}
+                 "starcoder2": "starcoder2.Starcoder2ForCausalLM", "gpt_oss": "gpt_oss.GptOssForCausalLM",
+                 "qwen2_vl": "qwen2_vl.Qwen2VLForConditionalGeneration"}
 SEQ = 300  # past every sliding window (128, 256)
+VL_FAMILIES = ("qwen2_vl",)  # transformers loads them as image-text-to-text models (text-only logits here)
 
 
 @pytest.mark.slow
@@ -252,8 +257,8 @@ def test_small_checkpoint_loads_in_the_torch_source_and_transformers_alike(famil
         assert held == small.param_count(family) - value_head
     extra = {"experts_implementation": "eager", "quantization_config": transformers.Mxfp4Config(dequantize=True)} \
         if family == "gpt_oss" else {}
-    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager", dtype=torch.float32,
-                                                           **extra).eval()
+    auto = transformers.AutoModelForImageTextToText if family in VL_FAMILIES else transformers.AutoModelForCausalLM
+    hf = auto.from_pretrained(ckpt, attn_implementation="eager", dtype=torch.float32, **extra).eval()
     ids = torch.randint(0, small.SMALL_VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         a = ours(ids)
