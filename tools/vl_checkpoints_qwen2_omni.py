@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a pack
 from checkpoints_qwen2 import qwen2_tensors  # noqa: E402
 from make_checkpoints import normal, norm_weight, write_checkpoint  # noqa: E402
 
-__all__ = ["OMNI_SPECIALS", "OMNI_IDS", "QWEN2_OMNI_SEED", "QWEN2_OMNI_CONFIG", "QWEN2_OMNI_GENERATION_CONFIG",
+__all__ = ["OMNI_SPECIALS", "OMNI_IDS", "TOKENIZER", "QWEN2_OMNI_SEED", "QWEN2_OMNI_CONFIG", "QWEN2_OMNI_GENERATION_CONFIG",
            "qwen2_omni_vision_tensors", "qwen2_omni_audio_tensors", "qwen2_omni_tensors", "make_qwen2_omni"]
 
 # 151643.. in the release (Qwen2.5-Omni's added tokens); the same order from 400 here
@@ -66,11 +66,12 @@ QWEN2_OMNI_VISION_CONFIG = {
     "num_heads": 4, "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14,
     "temporal_patch_size": 2, "tokens_per_second": 25, "window_size": 56,
 }
-# the tiny audio encoder: 16 mel bins, 2 layers of width 32, chunks of 2 * 10 frames
+# the tiny audio encoder: the release processor's 128 mel bins (the template's feature extractor feeds it as LF's
+# processor feeds the release), 2 layers of width 32, chunks of 2 * 10 frames
 QWEN2_OMNI_AUDIO_CONFIG = {
     "activation_dropout": 0.0, "activation_function": "gelu", "attention_dropout": 0.0, "d_model": 32, "dropout": 0.0,
     "encoder_attention_heads": 4, "encoder_ffn_dim": 64, "encoder_layers": 2, "initializer_range": 0.02,
-    "max_source_positions": 100, "model_type": "qwen2_5_omni_audio_encoder", "n_window": 10, "num_mel_bins": 16,
+    "max_source_positions": 100, "model_type": "qwen2_5_omni_audio_encoder", "n_window": 10, "num_mel_bins": 128,
     "output_dim": 64, "scale_embedding": False,
 }
 QWEN2_OMNI_CONFIG = {
@@ -106,6 +107,13 @@ QWEN2_OMNI_CONFIG = {
 QWEN2_OMNI_GENERATION_CONFIG = {"bos_token_id": OMNI_IDS["<|endoftext|>"], "do_sample": False,
                                 "eos_token_id": [OMNI_IDS["<|im_end|>"], OMNI_IDS["<|endoftext|>"]],
                                 "pad_token_id": OMNI_IDS["<|endoftext|>"]}
+# tools/make_tokenizer.py: Omni's special tokens in the release's order from 400 (OMNI_SPECIALS, spelled out: the
+# table is read as a literal), so the template's <|IMAGE|> / <|AUDIO|> / <|audio_bos|> land on the checkpoint's ids;
+# Qwen2.5-Omni-7B's tokenizer_config: no bos, eos <|im_end|>, pad <|endoftext|>
+TOKENIZER = {"specials": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>",
+                          "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_bos|>", "<|vision_eos|>",
+                          "<|vision_pad|>", "<|IMAGE|>", "<|VIDEO|>"),
+             "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
 PATCH_STD = 0.05  # a 1176-wide patch: small enough that the tower's activations stay O(1)
 HEAD_STD = 0.1    # the untied head, as wide as the tied Qwen2 embedding it stands beside
 STD, BIAS_STD = 0.1, 0.05
@@ -171,6 +179,6 @@ def qwen2_omni_tensors(config: dict, seed: int) -> dict[str, np.ndarray]:
 
 def make_qwen2_omni(out_dir) -> Path:
     """Tiny Qwen2.5-Omni thinker (vocab 512, hidden 64, 2 layers, GQA 4/2, head_dim 16, M-RoPE [2,3,3], untied;
-    vision tower 2 x 32 with windows; audio encoder 2 x 32 over 16 mel bins)."""
+    vision tower 2 x 32 with windows; audio encoder 2 x 32 over 128 mel bins)."""
     return write_checkpoint(out_dir, QWEN2_OMNI_CONFIG, qwen2_omni_tensors(QWEN2_OMNI_CONFIG, QWEN2_OMNI_SEED),
                             QWEN2_OMNI_GENERATION_CONFIG)

@@ -1,14 +1,15 @@
 """Qwen2.5-Omni's thinker in Flax Linen: the torch-free twin of torch_sources/models/qwen2_omni.py.
 
 A Qwen2 language model (models/qwen2.py blocks, Qwen2-VL's stack) under M-RoPE (models/mrope.py, the thinker's
-own rope index), fed by the Qwen2.5-VL tower with separate q/k/v (models/vision.py); the audio encoder
-(models/audio.py) is built and runnable alone (`audio_features`). Same public names in the same order; params
+own rope index), fed by the Qwen2.5-VL tower with separate q/k/v (models/vision.py) and the audio encoder
+(models/audio.py: `encode_audio`, or alone `audio_features`). Same public names in the same order; params
 named after the checkpoint without its `thinker.` prefix (`model/...`, `visual/...`, `audio_tower/...`,
-`lm_head`; see conversion/qwen2_omni.py). The image grid and the audio lengths are static host data; the rope
-index is host numpy too (data-dependent), so a jitted caller passes position_ids. The module is written with
-setup so that the audio tower has its own entry point: `model.apply(variables, feats, lens,
-method="audio_features")`; `model.init` through `__call__` declares no audio params (conversion declares them
-through both entry points).
+`lm_head`; see conversion/qwen2_omni.py). The image grid and the audio lengths (feature_attention_mask) are
+static host data; the rope index is host numpy too (data-dependent), so a jitted caller passes position_ids, and
+a trainer passes the frozen towers' outputs (image_embeds, audio_embeds) computed outside its step. The module
+is written with setup so that the audio tower has its own entry points: `model.apply(variables, feats, lens,
+method="audio_features")` (or `method="encode_audio"`); `model.init` through `__call__` without audio declares
+no audio params (conversion declares them through both entry points).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from jax_oracles.models.vision import Qwen2_5VisionTransformer, Qwen2_5VLVisionC
 AUTO_MODEL = ("qwen2_5_omni", "Qwen2OmniThinkerForConditionalGeneration")  # HF model_type -> this file's model (models/auto.py finds it here)
 __all__ = [
     "CONFIG_KEYS", "TEXT_KEYS", "WRAPPER_KEYS", "Qwen2OmniConfig",
-    "layer_inputs", "merge_image_embeddings", "refuse_audio_video",
+    "layer_inputs", "merge_image_embeddings", "merge_audio_embeddings", "refuse_unplaced_tokens",
     "Qwen2OmniThinkerTextModel", "Qwen2OmniThinkerForConditionalGeneration",
 ]
 
@@ -122,17 +123,30 @@ class Qwen2OmniConfig(LanguageModelView):
 
 # ---- operators ------------------------------------------------------------------------------
 
-def refuse_audio_video(input_ids, config: Qwen2OmniConfig) -> None:
-    """The forward places images only: refuse audio / video placeholders and the audio start token (checked
-    where the ids are concrete; under jit the host-side rope index has already checked them)."""
+def refuse_unplaced_tokens(input_ids, config: Qwen2OmniConfig, has_audio: bool) -> None:
+    """Video tokens are never placed; audio tokens only with audio (input_features or audio_embeds): refuse
+    the rest rather than leave their placeholder embeddings in the sequence (checked where the ids are concrete;
+    under jit the host-side rope index has already read them)."""
     if isinstance(input_ids, jax.core.Tracer):
         return
     ids = np.asarray(input_ids)
-    for what, tok in (("audio", config.audio_token_id), ("audio start", config.audio_start_token_id),
-                      ("video", config.video_token_id)):
-        if (ids == tok).any():
-            raise ValueError(f"{what} token {tok} in input_ids: this thinker forward places images only (audio "
-                             f"and video inputs are out of scope; audio_features runs the audio tower alone)")
+    if (ids == config.video_token_id).any():
+        raise ValueError(f"video token {config.video_token_id} in input_ids: this thinker forward places images and "
+                         f"audio only (video inputs are out of scope)")
+    if not has_audio and (ids == config.audio_token_id).any():
+        raise ValueError(f"audio token {config.audio_token_id} in input_ids but no input_features (or audio_embeds)")
+
+
+def merge_audio_embeddings(embeds, input_ids, audio_embeds, audio_token_id: int, check_count: bool = True):
+    """f32[B,T,D], i32[B,T], f32[n,D] -> f32[B,T,D]: the audio tokens' rows, in reading order, replaced by the
+    audio tower's (transformers' masked_scatter); the counts are checked where the ids are concrete
+    (check_count=False: rows past them, never read)."""
+    if check_count and not isinstance(input_ids, jax.core.Tracer):
+        n = int((np.asarray(input_ids) == audio_token_id).sum())
+        if n != audio_embeds.shape[0]:
+            raise ValueError(f"audio features and audio tokens do not match: {n} tokens, {audio_embeds.shape[0]} "
+                             f"features")
+    return merge_image_embeddings(embeds, input_ids, audio_embeds, audio_token_id, check_count=False)
 
 
 # ---- modules --------------------------------------------------------------------------------
@@ -154,13 +168,14 @@ class Qwen2OmniThinkerForConditionalGeneration(nn.Module):
         if not c.tie_word_embeddings:
             self.lm_head = nn.Dense(c.text.vocab_size, use_bias=False)
 
-    def rope_index(self, input_ids, image_grid_thw, attention_mask):  # host numpy -> i64[3,B,T], i64[B,1]
+    def rope_index(self, input_ids, image_grid_thw, attention_mask, audio_seqlens=None):  # host -> [3,B,T], [B,1]
+        """audio_seqlens i64[A]: each audio's feature frames (feature_attention_mask.sum(-1))."""
         c = self.config
         return mrope.get_rope_index_omni(
             input_ids, image_grid_thw, attention_mask, image_token_id=c.image_token_id,
             vision_start_token_id=c.vision_start_token_id, video_token_id=c.video_token_id,
             audio_token_id=c.audio_token_id, audio_start_token_id=c.audio_start_token_id,
-            spatial_merge_size=c.vision.spatial_merge_size)
+            spatial_merge_size=c.vision.spatial_merge_size, audio_seqlens=audio_seqlens)
 
     def encode_images(self, pixel_values, image_grid_thw):  # f32[P, C*2*14*14], (host) [I,3] -> f32[P/4, D]
         """The tower's merged patch embeddings: what replaces the image tokens (frozen under LoRA, so a trainer
@@ -172,21 +187,39 @@ class Qwen2OmniThinkerForConditionalGeneration(nn.Module):
         (host) [A] -> f32[sum of audio.audio_output_lengths(feature_lens), output_dim]."""
         return self.audio_tower(input_features, feature_lens)
 
+    def encode_audio(self, input_features, feature_attention_mask):  # f32[A, mel, F], (host) [A, F] -> f32[n, out]
+        """transformers' get_audio_features: each audio's masked frames (a host mask: static indices), concatenated
+        along time, through the tower; one row per audio token (frozen under LoRA, so a trainer computes them once
+        per batch, outside its jitted step)."""
+        audio, frame = np.nonzero(np.asarray(feature_attention_mask))  # row-major: each audio's frames in order
+        frames = input_features[audio, :, frame].T  # f32[mel, sum of the audios' frames]
+        return self.audio_features(frames, np.asarray(feature_attention_mask).astype(np.int64).sum(-1))
+
     def __call__(self, input_ids, attention_mask=None, position_ids=None, pixel_values=None, image_grid_thw=None,
-                 return_hidden: bool = False, image_embeds=None):
+                 return_hidden: bool = False, image_embeds=None, input_features=None, feature_attention_mask=None,
+                 audio_embeds=None):
         """input_ids i32[B,T], attention_mask i32[B,T], position_ids i32[3,B,T] (None: the thinker's rope index,
         on the host), pixel_values f32[P, C*2*14*14], image_grid_thw (host) [I,3] (or image_embeds f32[n,D],
-        encode_images' output; rows past the image tokens' count are never read) -> logits f32[B,T,V]."""
+        encode_images' output; rows past the image tokens' count are never read), input_features f32[A, mel, F]
+        with feature_attention_mask (host) [A, F] (or audio_embeds f32[m, output_dim], encode_audio's output; rows
+        past the audio tokens' count are never read) -> logits f32[B,T,V]."""
         c = self.config
-        refuse_audio_video(input_ids, c)
+        refuse_unplaced_tokens(input_ids, c, input_features is not None or audio_embeds is not None)
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
         if position_ids is None:
             if isinstance(input_ids, jax.core.Tracer) or isinstance(attention_mask, jax.core.Tracer):
                 raise TypeError("position_ids are needed under jit: the rope index is host numpy "
                                 "(Qwen2OmniThinkerForConditionalGeneration.rope_index)")
-            position_ids, _ = self.rope_index(np.asarray(input_ids), image_grid_thw, np.asarray(attention_mask))
+            seqlens = None if feature_attention_mask is None else np.asarray(feature_attention_mask).sum(-1)
+            position_ids, _ = self.rope_index(np.asarray(input_ids), image_grid_thw, np.asarray(attention_mask),
+                                              seqlens)
         embeds = self.model.embed(input_ids)
+        if input_features is not None:
+            audio_embeds = self.encode_audio(input_features, feature_attention_mask)
+            embeds = merge_audio_embeddings(embeds, input_ids, audio_embeds, c.audio_token_id)
+        elif audio_embeds is not None:  # padded rows allowed: the count is the caller's
+            embeds = merge_audio_embeddings(embeds, input_ids, audio_embeds, c.audio_token_id, check_count=False)
         if pixel_values is not None:
             embeds = merge_image_embeddings(embeds, input_ids, self.encode_images(pixel_values, image_grid_thw),
                                             c.image_token_id)

@@ -7,6 +7,12 @@ HF DataCollatorForSeq2Seq with right padding to the longest row rounded up to a 
 Given a multimodal context, LF's MultiModalDataCollatorForSeq2Seq as in the torch twin: the rows' images in row
 order (the fake image on row 0 when there is none), pixel_values f32[P, C*T*ps*ps], image_grid_thw i64[I,3] and,
 given the model's (host) rope_index, position_ids [3,B,T] and rope_deltas [B,1] of the padded batch.
+
+A plugin with an audio token (Qwen2.5-Omni's) also gets LF's fake audio on every batch (the data carries no
+audio): its tokens follow the fake image's on row 0 (or stand alone when the batch has images), the batch gains
+input_features f32[1, mel, 3000] and feature_attention_mask i32[1, 3000] (10 frames set), and the positions take
+LF's Omni branch: the thinker's rope index (the fake media are masked, so it never reaches them: every real token
+keeps its place), then rope_deltas minus each row's masked tokens, counted at the width LF pads to.
 """
 
 from __future__ import annotations
@@ -19,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models.layers import padded_positions
-from .mm_plugin import (MMPlugin, add_fake_image, fake_image, fake_image_input_ids, get_mm_inputs, preprocess_image,
-                        regularize_images)
+from .mm_plugin import (MMPlugin, add_fake_image, fake_audio_inputs, fake_image, fake_input_ids, get_mm_inputs,
+                        preprocess_image, regularize_images)
 from .template import ChatTokenizer
 
 __all__ = ["MultimodalContext", "SFTDataCollator", "PairwiseDataCollator", "PromptDataCollator", "pad_features",
@@ -59,28 +65,59 @@ class MultimodalContext:
     rope_index: Callable | None = None
 
 
-def _mm_rows(features: list[dict], mm: MultimodalContext, padding_side: str) -> tuple[list[dict], list, bool]:
-    """(rows, their regularized images in row order, whether the fake image stands in): LF's __call__ up to padding."""
-    if mm.plugin.audio_token is not None:  # Qwen2.5-Omni
-        raise NotImplementedError("LF gives every batch without audio a fake audio (its Whisper features and audio "
-                                  "tokens): not mirrored, so a plugin with an audio token has no collator here")
+@dataclass(frozen=True)
+class _Media:
+    """A batch's media for LF's collator: its regularized images in row order, and which fakes stand in."""
+
+    images: list
+    fake_image: bool
+    fake_audio: bool
+
+
+def _mm_rows(features: list[dict], mm: MultimodalContext, padding_side: str) -> tuple[list[dict], _Media]:
+    """(rows, their media): LF's __call__ up to padding, the fake media's tokens on row 0 where the batch lacks
+    images (any plugin) or audio (a plugin with an audio token: always, the data has none)."""
+    if any(f.get("audios") for f in features):
+        raise NotImplementedError("audio files in the data are not read (LF decodes them with torchaudio): only "
+                                  "LF's fake audio reaches the collator")
     images = [image for f in features for image in regularize_images(f.get("images") or [], mm.media_dir, mm.plugin)]
-    if images:
-        return features, images, False
-    rows = add_fake_image(features, fake_image_input_ids(mm.tokenizer, mm.plugin), padding_side)
-    return rows, [preprocess_image(fake_image(), mm.plugin)], True
+    media = _Media(images or [preprocess_image(fake_image(), mm.plugin)], fake_image=not images,
+                   fake_audio=mm.plugin.audio_token is not None)
+    fake_ids = fake_input_ids(mm.tokenizer, mm.plugin, image=media.fake_image, audio=media.fake_audio)
+    return (add_fake_image(features, fake_ids, padding_side) if fake_ids else features), media
 
 
-def _mm_inputs(batch: dict, images: list, fake: bool, mm: MultimodalContext) -> dict[str, np.ndarray]:
-    """pixel_values, image_grid_thw and (with a rope_index) position_ids, rope_deltas of the padded batch."""
-    pixel_values, image_grid_thw = get_mm_inputs(images, mm.plugin)
+def _omni_deltas(rope_deltas, attention_mask, lf_width: int):  # i64[B,1], [B,T] -> i64[B,1]
+    """LF's Omni branch: rope_deltas - (1 - attention_mask).sum(-1), the masked tokens (pads, fake media) of the
+    batch as LF pads it (`lf_width` columns; a wider static batch counts its extra pads out)."""
+    return rope_deltas - (lf_width - attention_mask.sum(-1, keepdims=True))
+
+
+def _mm_inputs(batch: dict, media: _Media, mm: MultimodalContext, lf_width: int) -> dict[str, np.ndarray]:
+    """pixel_values, image_grid_thw, (a plugin with an audio token) input_features, feature_attention_mask, and
+    (with a rope_index) position_ids, rope_deltas of the padded batch."""
+    pixel_values, image_grid_thw = get_mm_inputs(media.images, mm.plugin)
     out = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
-    if mm.rope_index is not None:
-        # transformers' get_rope_index takes a grid per image-token run it meets and never meets the fake image's
-        # (masked) tokens; mrope.get_rope_index checks that every grid given is placed, so it gets none then
-        out["position_ids"], out["rope_deltas"] = mm.rope_index(batch["input_ids"], None if fake else image_grid_thw,
-                                                                batch["attention_mask"])
+    if media.fake_audio:
+        out["input_features"], out["feature_attention_mask"] = fake_audio_inputs(mm.plugin)
+    if mm.rope_index is None:
+        return out
+    # transformers' get_rope_index takes a grid per image-token run it meets and never meets the fake image's
+    # (masked) tokens; mrope.get_rope_index checks that every grid given is placed, so it gets none then
+    grid = None if media.fake_image else image_grid_thw
+    if mm.plugin.audio_token is None:
+        out["position_ids"], out["rope_deltas"] = mm.rope_index(batch["input_ids"], grid, batch["attention_mask"])
+        return out
+    # LF's Omni branch (model_type qwen2_5_omni_thinker, the model an audio plugin serves): audio_seqlens are the
+    # frames of the fake audio, masked like the fake image, so the index never reads them
+    seqlens = out["feature_attention_mask"].sum(-1)
+    positions, deltas = mm.rope_index(batch["input_ids"], grid, batch["attention_mask"], audio_seqlens=seqlens)
+    out["position_ids"], out["rope_deltas"] = positions, _omni_deltas(deltas, batch["attention_mask"], lf_width)
     return out
+
+
+def _round_up(n: int, multiple: int | None) -> int:
+    return -(-n // multiple) * multiple if multiple else n
 
 
 @dataclass(frozen=True)
@@ -94,13 +131,11 @@ class SFTDataCollator:
     def __call__(self, features: list[dict]) -> dict[str, np.ndarray]:
         """[dict(input_ids, attention_mask, labels[, images])] -> dict of int32 arrays [B, T] (+ the mm inputs)."""
         if self.mm is not None:
-            features, images, fake = _mm_rows(features, self.mm, "right")
-        length = self.pad_to_length or max(len(f["input_ids"]) for f in features)
-        if self.pad_to_length is None and self.pad_to_multiple_of:
-            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        batch = pad_features(features, length, self.pad_token_id, self.label_pad_token_id)
+            features, media = _mm_rows(features, self.mm, "right")
+        lf_width = _round_up(max(len(f["input_ids"]) for f in features), self.pad_to_multiple_of)
+        batch = pad_features(features, self.pad_to_length or lf_width, self.pad_token_id, self.label_pad_token_id)
         if self.mm is not None:
-            batch.update(_mm_inputs(batch, images, fake, self.mm))
+            batch.update(_mm_inputs(batch, media, self.mm, lf_width))
         return batch
 
 
@@ -129,8 +164,9 @@ class PromptDataCollator:
         """[dict(input_ids, ...[, images])] -> dict(input_ids, attention_mask) of int arrays [B, T], left-padded
         (+ the mm inputs)."""
         if self.mm is not None:
-            features, images, fake = _mm_rows(features, self.mm, "left")
-        length = self.pad_to_length or max(len(f["input_ids"]) for f in features)
+            features, media = _mm_rows(features, self.mm, "left")
+        lf_width = max(len(f["input_ids"]) for f in features)
+        length = self.pad_to_length or lf_width
         out = {"input_ids": np.full((len(features), length), self.pad_token_id, np.int32),
                "attention_mask": np.zeros((len(features), length), np.int32)}
         for i, f in enumerate(features):
@@ -138,5 +174,5 @@ class PromptDataCollator:
             out["input_ids"][i, length - k:] = f["input_ids"]
             out["attention_mask"][i, length - k:] = 1 if self.mm is None else f["attention_mask"]  # fake image: 0
         if self.mm is not None:
-            out.update(_mm_inputs(out, images, fake, self.mm))
+            out.update(_mm_inputs(out, media, self.mm, lf_width))
         return out

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from jax_oracles.models.audio_processing import WhisperFeatureConfig
 from jax_oracles.models.vision_processing import QwenImageProcessorConfig
 
 from .mm_plugin import MMPlugin
@@ -332,7 +333,7 @@ register_template(
 
 
 # LF's Qwen-VL templates (the qwen slots), each with its plugin: the tokens LF's register_template gives it and the
-# image processor of the release's preprocessor_config.json
+# image processor (and Omni's feature extractor) of the release's preprocessor_config.json
 _QWEN_SLOTS = dict(
     format_user=("<|im_start|>user\n{{content}}<|im_end|>\n<|im_start|>assistant\n",),
     format_assistant=("{{content}}<|im_end|>\n",),
@@ -362,7 +363,9 @@ register_template(
     default_system="You are a helpful assistant.",
     mm_plugin=MMPlugin("qwen2_omni", image_token="<|IMAGE|>", video_token="<|VIDEO|>", audio_token="<|AUDIO|>",
                        vision_bos_token="<|vision_bos|>", vision_eos_token="<|vision_eos|>",
-                       image_processor=QwenImageProcessorConfig.qwen2_vl()),
+                       audio_bos_token="<|audio_bos|>", audio_eos_token="<|audio_eos|>",
+                       image_processor=QwenImageProcessorConfig.qwen2_vl(),
+                       feature_extractor=WhisperFeatureConfig.qwen2_omni()),
     **_QWEN_SLOTS,
 )
 

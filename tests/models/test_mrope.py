@@ -172,6 +172,35 @@ def test_known_positions():
     assert pos[:, 0].tolist() == [[1] + w[1:] for w in want] and deltas.tolist() == [[-2]]
 
 
+def _audio(frames):  # audio_start, the tower's tokens for `frames` feature frames, audio_end
+    return [AUDIO_START] + [AUDIO] * (((frames - 1) // 2 + 1 - 2) // 2 + 1) + [508]
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_omni_audio_positions_equal_transformers(models, padding):
+    """Audio spans (LF's audio_seqlens: each audio's feature frames) before, between and after images, and a row
+    with audio alone: transformers' thinker index, exactly; the same positions as the spans read as text."""
+    rows = [_text(2) + _audio(37) + _text(1) + _image(WIDE) + _audio(10) + _image(SQUARE) + _text(2),
+            _audio(20) + _text(3), _text(2) + _image(TALL) + _text(1) + _audio(8) + _text(1)]
+    T = max(map(len, rows))
+    pad = [T - len(r) for r in rows]
+    ids = torch.tensor([[PAD] * p + r if padding == "left" else r + [PAD] * p for r, p in zip(rows, pad)])
+    mask = torch.tensor([[0] * p + [1] * len(r) if padding == "left" else [1] * len(r) + [0] * p
+                         for r, p in zip(rows, pad)])
+    grid, seqlens = torch.tensor([WIDE, SQUARE, TALL]), torch.tensor([37, 10, 20, 8])
+    expected = models["qwen2_5_omni"].get_rope_index(ids, grid, None, mask, audio_seqlens=seqlens)
+    got = (tm.get_rope_index_omni(ids, grid, mask, audio_seqlens=seqlens, **OMNI_IDS),
+           jm.get_rope_index_omni(ids.numpy(), grid.numpy(), mask.numpy(), audio_seqlens=seqlens.numpy(), **OMNI_IDS))
+    assert_positions(expected, *got)
+    as_text = torch.where((ids == AUDIO) | (ids == AUDIO_START), 7, ids)  # audio spans placed as text would be
+    assert_positions(tm.get_rope_index_omni(as_text, grid, mask, **OMNI_IDS), *got)
+    # LF's fake audio and fake image, masked: never read, whatever their ids (pads keep 1)
+    fake = torch.cat([ids, torch.tensor([[VS, IMG, IMG, IMG, IMG, VE] + _audio(10)] * 3)], dim=1)
+    fake_mask = torch.cat([mask, torch.zeros(3, 10, dtype=torch.long)], dim=1)
+    pos, deltas = tm.get_rope_index_omni(fake, grid, fake_mask, audio_seqlens=seqlens, **OMNI_IDS)
+    assert torch.equal(pos[..., :T], got[0][0]) and (pos[..., T:] == 1).all() and torch.equal(deltas, got[0][1])
+
+
 def test_token_types_equal_the_processors():
     ids = torch.tensor([[1, IMG, IMG, VID, 3, VS], [IMG, 2, 2, 2, VID, VE]])
     fake = SimpleNamespace(image_token_ids=[IMG], video_token_ids=[VID], audio_token_ids=[None])
@@ -360,6 +389,11 @@ def _omni(ids, grids, mask=None):
     return "get_rope_index_omni", (torch.tensor([ids]), None if grids is None else torch.tensor(grids), mask), OMNI_IDS
 
 
+def _omni_audio(ids, grids, seqlens):
+    fn, args, kwargs = _omni(ids, grids)
+    return fn, args, {**kwargs, "audio_seqlens": torch.tensor(seqlens, dtype=torch.long)}
+
+
 ONE = [5] + _image(SQUARE) + [6]
 REFUSALS = {
     "count-vs-grid": (_index([5, VS, IMG, IMG, IMG, VE], [SQUARE]), "has 3 image tokens"),
@@ -371,7 +405,13 @@ REFUSALS = {
     "empty-row": (_index([5, 6], None, torch.tensor([[0, 0]])), "no real token"),
     "omni-count-vs-grid": (_omni([5, VS, IMG, IMG, IMG, VE, 6], [SQUARE]), "needs 4 image tokens"),
     "omni-video": (_omni([5, VS, VID, VE], None), "video token"),
-    "omni-audio": (_omni([5, AUDIO_START, AUDIO, 6], None), "audio token"),
+    "omni-audio-without-seqlens": (_omni([5, AUDIO_START, AUDIO, 8] + ONE, [SQUARE]), "no audio_seqlens"),
+    "omni-audio-wrong-length": (_omni_audio([5, AUDIO_START, AUDIO, 8] + ONE, [SQUARE], [10]), "give \\[2\\]"),
+    "omni-audio-seqlens-left-over": (_omni_audio([5, AUDIO_START, AUDIO, AUDIO, 8] + ONE, [SQUARE], [10, 10]),
+                                     "one per span"),
+    "omni-audio-no-start": (_omni_audio([5, AUDIO, AUDIO, 8] + ONE, [SQUARE], [10]), "one audio_start"),
+    "omni-audio-at-end": (_omni_audio(ONE + [AUDIO_START, AUDIO, AUDIO], [SQUARE], [10]), "then one more token"),
+    "omni-audio-start-alone": (_omni_audio(ONE + [AUDIO_START, 8], [SQUARE], []), "not followed by audio"),
     "omni-stray-image": (_omni(ONE + [IMG, 7], [SQUARE]), "5 image tokens"),
     "omni-no-grid": (_omni(ONE, None), "no image_grid_thw"),
     "omni-ends-in-vision-start": (_omni([5, VS], [SQUARE]), "ends in vision_start"),

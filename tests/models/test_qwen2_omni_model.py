@@ -1,9 +1,10 @@
 """Qwen2.5-Omni's thinker: the torch source against transformers' Qwen2_5OmniThinkerForConditionalGeneration on
 the shipped checkpoint with images (windows cut, two images back to back, an image-free row, a text-only batch,
 left and right padding), the JAX twin against the torch source (logits and the gradient reaching the pixels), the
-audio tower on both sides against transformers' and its output shape, the refusals of audio and video in the
-forward, the conversion both ways (every `thinker.*` tensor, the audio tower's included), the wrapper and bare
-thinker config forms, the config refusals, and the checkpoint's reproducibility."""
+audio tower on both sides against transformers' and its output shape, audio in the forward (input_features at
+the audio tokens) against transformers, the refusals of video and of audio tokens without audio, the conversion
+both ways (every `thinker.*` tensor, the audio tower's included), the wrapper and bare thinker config forms, the
+config refusals, and the checkpoint's reproducibility."""
 
 from __future__ import annotations
 
@@ -145,7 +146,7 @@ def test_audio_tower_matches_transformers(models):
     19 + 10 + 4 + 2 frames after the stem, pooled to 9 + 5 + 2 + 1 tokens of output_dim 64."""
     hf, src, params, model = models
     lens = np.array([37, 20, 8, 3])
-    feats = np.random.default_rng(7).standard_normal((16, int(lens.sum()))).astype(np.float32)
+    feats = np.random.default_rng(7).standard_normal((128, int(lens.sum()))).astype(np.float32)
     with torch.no_grad():
         want = hf.model.audio_tower(torch.tensor(feats), feature_lens=torch.tensor(lens)).last_hidden_state.numpy()
         got = src.audio_features(torch.tensor(feats), torch.tensor(lens)).numpy()
@@ -169,8 +170,67 @@ def test_audio_stem_bookkeeping():
         assert list(side.pool_index(lens)) == [0, 2, 4, 6, 8, 10, 13]
 
 
-@pytest.mark.parametrize("token", [AUDIO, AUDIO_BOS, VIDEO])
-def test_audio_and_video_tokens_are_refused(models, token):
+def _audio_batch(seed=8):
+    """Two rows, right-padded: text, an audio span (37 feature frames: 9 tokens), a 2x2-merged image, text; text,
+    an audio span (20 frames: 5 tokens), text. Features f32[2, 128, 40] with the frames past each audio masked."""
+    rng = np.random.default_rng(seed)
+    lens, T = [37, 20], 30
+    feats = rng.standard_normal((2, 128, 40)).astype(np.float32)
+    fmask = (np.arange(40)[None] < np.array(lens)[:, None]).astype(np.int32)
+    spans = [[AUDIO_BOS, *[AUDIO] * 9, AUDIO_BOS + 1], [AUDIO_BOS, *[AUDIO] * 5, AUDIO_BOS + 1]]
+    rows = [[7, 8, *spans[0], 9, VS, *[IMG] * 4, VE, 10, 11], [12, *spans[1], 13, 14, 15]]
+    ids, mask = np.full((2, T), 400, np.int64), np.zeros((2, T), np.int64)
+    for r, row in enumerate(rows):
+        ids[r, :len(row)], mask[r, :len(row)] = row, 1
+    pixels = rng.standard_normal((16, 3 * 2 * 14 * 14)).astype(np.float32)
+    return ids, mask, pixels, np.array([[1, 4, 4]]), feats, fmask
+
+
+def test_audio_in_the_forward_matches_transformers(models):
+    """input_features + feature_attention_mask: each audio's masked frames through the tower, its rows at the audio
+    tokens (after an image in the first row), the positions from the thinker's index with audio_seqlens; and the
+    tower's output passed in (audio_embeds) gives the same forward."""
+    hf, src, _, _ = models
+    ids, mask, pixels, grid, feats, fmask = _audio_batch()
+    audio = dict(input_features=torch.tensor(feats), feature_attention_mask=torch.tensor(fmask))
+    want = _torch_logits(hf, ids, mask, pixels, grid, **audio).logits.numpy()
+    got = _torch_logits(src, ids, mask, pixels, grid, **audio).numpy()
+    real = mask.astype(bool)
+    assert np.abs(got - want)[real].max() <= TORCH_TOL * max(1.0, np.abs(want).max())
+    positions, _ = src.rope_index(torch.tensor(ids), torch.tensor(grid), torch.tensor(mask), torch.tensor([37, 20]))
+    with torch.no_grad():
+        embeds = src.encode_audio(*audio.values())
+        again = src(torch.tensor(ids), torch.tensor(mask), positions, torch.tensor(pixels), torch.tensor(grid),
+                    audio_embeds=embeds).numpy()
+        silent = src(torch.tensor(ids), torch.tensor(mask), positions, torch.tensor(pixels), torch.tensor(grid),
+                     audio_embeds=torch.zeros_like(embeds)).numpy()
+    assert embeds.shape == (14, 64)
+    np.testing.assert_array_equal(again, got)
+    assert np.abs(silent - got)[real].max() > 1e-3  # the audio reaches the logits
+
+
+@pytest.mark.slow
+def test_audio_in_the_jax_forward_matches_source(models):
+    """The JAX twin on the same batch: input_features under jit (the frame mask static), and encode_audio's rows
+    passed in as audio_embeds padded past the 14 audio tokens (never read)."""
+    _, src, params, model = models
+    ids, mask, pixels, grid, feats, fmask = _audio_batch()
+    want = _torch_logits(src, ids, mask, pixels, grid, input_features=torch.tensor(feats),
+                         feature_attention_mask=torch.tensor(fmask)).numpy()
+    positions, _ = model.rope_index(ids, grid, mask, fmask.sum(-1))
+    fwd = jax.jit(lambda p, f: model.apply({"params": p}, ids, mask, positions, pixels, grid, input_features=f,
+                                           feature_attention_mask=fmask))
+    assert np.abs(np.asarray(fwd(params, feats)) - want).max() <= JAX_TOL
+    encode = jax.jit(lambda p, f: model.apply({"params": p}, f, fmask, method="encode_audio"))
+    padded = np.zeros((40, 64), np.float32)
+    padded[:14] = np.asarray(encode(params, feats))
+    again = jax.jit(lambda p, a: model.apply({"params": p}, ids, mask, positions, pixels, grid, audio_embeds=a))
+    assert np.abs(np.asarray(again(params, padded)) - want).max() <= JAX_TOL
+
+
+@pytest.mark.parametrize("token", [AUDIO, VIDEO])
+def test_unplaced_tokens_are_refused(models, token):
+    """Video tokens always; audio tokens without audio (their placeholder embedding would stand in)."""
     _, src, params, model = models
     ids, mask, pixels, grid = BATCHES["image-last"]
     ids = ids.copy()
@@ -180,6 +240,20 @@ def test_audio_and_video_tokens_are_refused(models, token):
     positions = np.zeros((3, *ids.shape), np.int64)  # even with positions given: the ids are checked
     with pytest.raises(ValueError, match="audio|video"):
         model.apply({"params": params}, ids, mask, positions, pixels, grid)
+
+
+def test_audio_count_mismatch_is_refused(models):
+    _, src, params, model = models
+    ids, mask, pixels, grid, feats, fmask = _audio_batch()
+    ids = ids.copy()
+    ids[1, 2] = 7  # one audio token fewer than the second audio's 5
+    positions = np.zeros((3, *ids.shape), np.int64)
+    with pytest.raises(ValueError, match="audio features and audio tokens"):
+        _torch_logits(src, ids, mask, pixels, grid, position_ids=torch.tensor(positions),
+                      input_features=torch.tensor(feats), feature_attention_mask=torch.tensor(fmask))
+    with pytest.raises(ValueError, match="audio features and audio tokens"):  # raised while tracing: the ids are
+        jax.jit(lambda p: model.apply({"params": p}, ids, mask, positions, pixels, grid,  # constants, so concrete
+                                      input_features=feats, feature_attention_mask=fmask))(params)
 
 
 def test_image_count_mismatch_is_refused(models):

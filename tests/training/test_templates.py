@@ -23,7 +23,7 @@ from torch_sources.training import template as t_template
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZERS = ROOT / "assets" / "tokenizer"
 FAMILIES = ("llama3", "bloom", "falcon", "mistral", "qwen2", "qwen3", "phi4", "starcoder2",
-            "qwen2_vl")  # qwen2_vl: a staged vision-language family (tools/checkpoints_qwen2_vl.py)
+            "qwen2_vl", "qwen2_omni")  # qwen2_vl registered (tools/checkpoints_qwen2_vl.py), qwen2_omni staged
 TEMPLATE_MODULES = [t_template, j_template]
 MODULES = [(t_template, t_processor), (j_template, j_processor)]
 
@@ -135,6 +135,7 @@ RAW = {
     "phi4": ("<|endoftext|>", "<|im_end|>", "<|dummy_85|>"),
     "starcoder2": ("<|endoftext|>", "<|endoftext|>", None),
     "qwen2_vl": (None, "<|im_end|>", "<|endoftext|>"),  # Qwen2-VL-2B-Instruct's tokenizer_config
+    "qwen2_omni": (None, "<|im_end|>", "<|endoftext|>"),  # Qwen2.5-Omni-7B's
 }
 SPECIAL_IDS = {
     "bloom": {"<unk>": 400, "<s>": 401, "</s>": 402, "<pad>": 403},
@@ -147,6 +148,8 @@ SPECIAL_IDS = {
     "llama3": {"<|begin_of_text|>": 400, "<|end_of_text|>": 401, "<|eot_id|>": 404},
     "qwen2_vl": {"<|endoftext|>": 400, "<|im_start|>": 401, "<|im_end|>": 402, "<|vision_start|>": 409,
                  "<|vision_end|>": 410, "<|image_pad|>": 412, "<|video_pad|>": 413},
+    "qwen2_omni": {"<|endoftext|>": 400, "<|im_end|>": 402, "<|AUDIO|>": 403, "<|audio_bos|>": 404,
+                   "<|audio_eos|>": 405, "<|vision_bos|>": 409, "<|vision_eos|>": 410, "<|IMAGE|>": 412},
 }
 
 _HF = {}

@@ -6,7 +6,7 @@ the n merged patches of an image sit on a (t, h, w) grid that starts where the t
 after the image resumes at start + max(h, w). `rope_deltas` = (largest position + 1) - (real tokens): what
 decoding adds to the plain text position of each new token (`decode_positions`).
 
-Two rules place images (images only; videos and audio are refused):
+Two rules place images (videos are refused):
 - `get_rope_index`: Qwen2-VL, Qwen2.5-VL and Qwen3-VL (`Qwen2VLModel.get_rope_index`; 2.5-VL and 3-VL are the
   same for images). The image spans are the runs of `mm_token_type_ids == 1` (the processor's
   `create_mm_token_type_ids`: `token_types` here), not the token ids; pad tokens get position 0. The
@@ -16,7 +16,11 @@ Two rules place images (images only; videos and audio are refused):
   image from token ids (a vision_start followed by an image token), chains blocks at the previous block's
   largest position + 1, and gives pad tokens position 1. Its forward calls it whenever a mask is given, so a
   text-only batch takes its own path too: cumsum - 1, pads 1, the delta from the row's largest position
-  (pads included).
+  (pads included). An audio (audio_start, n audio tokens, audio_end) is three blocks of consecutive positions,
+  so it sits exactly where text would: outside audio-in-video (refused with videos) the thinker's audio rule
+  moves no position. What it needs is n to be the audio's tower length from `audio_seqlens` (its feature
+  frames, LF's feature_attention_mask.sum(-1)): with images present transformers walks the row by those
+  counts, and a span of another length would misplace everything after it, so that is checked.
 
 `mrope_cos_sin` merges the three rows' cos/sin into one f32[B,T,hd] table, pair i reading row
 `mrope_axes(...)[i]`: Qwen2-VL / 2.5-VL / Omni in contiguous blocks (t | h | w, `mrope_section` pairs
@@ -32,7 +36,7 @@ import torch
 
 from torch_sources.models.rope import rope_cos_sin
 
-__all__ = ["MropeError", "token_types", "get_rope_index", "get_rope_index_omni", "text_positions",
+__all__ = ["MropeError", "token_types", "get_rope_index", "audio_spans", "get_rope_index_omni", "text_positions",
            "decode_positions", "mrope_axes", "mrope_cos_sin"]
 
 TEXT, IMAGE, VIDEO = 0, 1, 2  # mm_token_type_ids values (the processor also writes 3 for audio)
@@ -133,31 +137,66 @@ def get_rope_index(input_ids, image_grid_thw, attention_mask, *, mm_token_type_i
     return position_ids, torch.tensor(deltas, dtype=torch.long)[:, None]
 
 
+def audio_spans(ids: list[int], *, audio_token_id: int, audio_start_token_id: int) -> list[int]:
+    """The audio-token count of each audio span of a row's real tokens, in order: audio_start, then a run of audio
+    tokens, then one more token (the audio_end); anything else is refused (transformers would read past it)."""
+    runs = [(k, len(list(g))) for k, g in itertools.groupby(ids)]
+    spans, at = [], 0
+    for i, (tok, n) in enumerate(runs):
+        if tok == audio_token_id:
+            if i == 0 or runs[i - 1] != (audio_start_token_id, 1) or i == len(runs) - 1:
+                raise MropeError(f"the audio tokens at {at} are not one audio_start, the run, then one more token")
+            spans.append(n)
+        elif tok == audio_start_token_id and (n != 1 or i == len(runs) - 1 or runs[i + 1][0] != audio_token_id):
+            raise MropeError(f"the audio_start at {at} is not followed by audio tokens")
+        at += n
+    return spans
+
+
+def _check_audio(rows: list[list[int]], audio_seqlens, audio_token_id: int, audio_start_token_id: int) -> None:
+    """Every real audio span holds its audio's tower length (audio_seqlens in reading order, one per span). With
+    no real span the lengths are never read (LF passes its masked fake audio's)."""
+    spans = [n for ids in rows for n in audio_spans(ids, audio_token_id=audio_token_id,
+                                                     audio_start_token_id=audio_start_token_id)]
+    if not spans:
+        return
+    if audio_seqlens is None:
+        raise MropeError("audio tokens present but no audio_seqlens (transformers walks the row by them)")
+    frames = [int(x) for x in audio_seqlens]
+    want = [((f - 1) // 2 + 1 - 2) // 2 + 1 for f in frames]  # the tower's stride-2 conv, then pairwise pooling
+    if spans != want:
+        raise MropeError(f"audio spans of {spans} tokens, audio_seqlens {frames} give {want} (one per span, in "
+                         f"reading order)")
+
+
 def get_rope_index_omni(input_ids, image_grid_thw, attention_mask, *, image_token_id: int,
                         vision_start_token_id: int, video_token_id: int, audio_token_id: int,
-                        audio_start_token_id: int, spatial_merge_size: int):
-    """Qwen2.5-Omni's thinker, images only: input_ids i64[B,T], image_grid_thw i64[I,3] (or None: the
+                        audio_start_token_id: int, spatial_merge_size: int, audio_seqlens=None):
+    """Qwen2.5-Omni's thinker, images and audio: input_ids i64[B,T], image_grid_thw i64[I,3] (or None: the
     text-only path), attention_mask {0,1}[B,T] (or None: every token real; transformers' thinker forward
     without a mask skips this index and counts 0..T-1 on all three rows instead, which differs once an image is
-    present) -> (position_ids i64[3,B,T], rope_deltas i64[B,1])."""
+    present), audio_seqlens i64[A] (each audio's feature frames; needed for real audio tokens when images are
+    present) -> (position_ids i64[3,B,T], rope_deltas i64[B,1]). Only real tokens are read: masked ones (LF's
+    fake image and audio) keep the pad position, and a masked audio's length is never read."""
     B, T = input_ids.shape
-    for name, tok in (("video", video_token_id), ("audio", audio_token_id), ("audio_start", audio_start_token_id)):
-        if bool((input_ids == tok).any()):
-            raise MropeError(f"{name} token {tok} present: the thinker places audio and video by rules not "
-                             f"mirrored here (images only)")
     keep = _real_rows(attention_mask, B, T)
+    real = input_ids[keep]
+    if bool((real == video_token_id).any()):
+        raise MropeError(f"video token {video_token_id} present: the thinker places videos by rules not mirrored "
+                         f"here")
     if image_grid_thw is None:
-        if bool((input_ids == image_token_id).any()):
+        if bool((real == image_token_id).any()):
             raise MropeError(f"image tokens ({image_token_id}) present but no image_grid_thw")
         position_ids = keep.long().cumsum(-1) - 1
         position_ids = position_ids.masked_fill(~keep, 1)  # the thinker's pads sit at 1
         deltas = position_ids.max(-1, keepdim=True).values + 1 - keep.long().sum(-1, keepdim=True)
         return position_ids[None].expand(3, B, T).clone(), deltas
+    rows = [input_ids[b][keep[b]].tolist() for b in range(B)]
+    _check_audio(rows, audio_seqlens, audio_token_id, audio_start_token_id)  # then audio is text to the walk below
     grids = _llm_grids(image_grid_thw, spatial_merge_size)
     position_ids = torch.ones(3, B, T, dtype=torch.long)  # pads keep 1
     deltas, image = [], 0
-    for b in range(B):
-        ids = input_ids[b][keep[b]].tolist()
+    for b, ids in enumerate(rows):
         if ids[-1] == vision_start_token_id:
             raise MropeError(f"row {b} ends in vision_start (transformers reads past the row)")
         starts = sum(1 for x, y in zip(ids, ids[1:]) if x == vision_start_token_id and y == image_token_id)

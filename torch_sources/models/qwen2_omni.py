@@ -9,11 +9,14 @@ blocks chained at the previous largest position + 1, pads at position 1, a text-
 an untied head by default (the head ties only by the thinker-level `tie_word_embeddings`), and the checkpoint
 names `thinker.model.*`, `thinker.visual.*`, `thinker.audio_tower.*`, `thinker.lm_head.weight`.
 
-Scope: the model forward places images only; audio and video inputs (and their tokens) are refused. The audio
-tower is built, loaded and runnable on its own (`audio_features`), the benchmark checking its output's
-presence and shape. Without an attention_mask the forward takes every token as real and still places the
-images by the rope index; transformers' thinker then skips its rope index (0..T-1 on all three rows), a path
-no collator or generate call takes.
+Scope: the forward places images and audio; videos (and their tokens) are refused. Audio comes as the
+feature extractor's input_features f32[A, mel, frames] with feature_attention_mask [A, frames]: each audio's
+masked frames go through the audio tower (`encode_audio`, transformers' get_audio_features) and its rows replace
+the audio tokens, as the image rows replace the image tokens (`audio_embeds`: the tower's output computed once by
+a trainer). LF's collator adds a fake audio to every batch (training/collator.py), masked and unlabelled, so its
+rows reach no loss; the audio tower is frozen under LoRA. Without an attention_mask the forward takes every token
+as real and still places the images by the rope index; transformers' thinker then skips its rope index (0..T-1
+on all three rows), a path no collator or generate call takes.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from torch_sources.models.vision import Qwen2_5VisionTransformer, Qwen2_5VLVisio
 AUTO_MODEL = ("qwen2_5_omni", "Qwen2OmniThinkerForConditionalGeneration")  # HF model_type -> this file's model (models/auto.py finds it here)
 __all__ = [
     "CONFIG_KEYS", "TEXT_KEYS", "WRAPPER_KEYS", "Qwen2OmniConfig", "thinker_state",
-    "layer_inputs", "merge_image_embeddings", "refuse_audio_video",
+    "layer_inputs", "merge_image_embeddings", "merge_audio_embeddings", "refuse_unplaced_tokens",
     "Qwen2OmniThinkerTextModel", "Qwen2OmniThinkerForConditionalGeneration",
 ]
 
@@ -138,13 +141,23 @@ def thinker_state(named_tensors):
 
 # ---- operators ------------------------------------------------------------------------------
 
-def refuse_audio_video(input_ids, config: Qwen2OmniConfig) -> None:
-    """The forward places images only: refuse audio / video placeholders and the audio start token."""
-    for what, tok in (("audio", config.audio_token_id), ("audio start", config.audio_start_token_id),
-                      ("video", config.video_token_id)):
-        if bool((input_ids == tok).any()):
-            raise ValueError(f"{what} token {tok} in input_ids: this thinker forward places images only (audio "
-                             f"and video inputs are out of scope; audio_features runs the audio tower alone)")
+def refuse_unplaced_tokens(input_ids, config: Qwen2OmniConfig, has_audio: bool) -> None:
+    """Video tokens are never placed; audio tokens only with audio (input_features or audio_embeds): refuse
+    the rest rather than leave their placeholder embeddings in the sequence."""
+    if bool((input_ids == config.video_token_id).any()):
+        raise ValueError(f"video token {config.video_token_id} in input_ids: this thinker forward places images and "
+                         f"audio only (video inputs are out of scope)")
+    if not has_audio and bool((input_ids == config.audio_token_id).any()):
+        raise ValueError(f"audio token {config.audio_token_id} in input_ids but no input_features (or audio_embeds)")
+
+
+def merge_audio_embeddings(embeds, input_ids, audio_embeds, audio_token_id: int, check_count: bool = True):
+    """f32[B,T,D], i64[B,T], f32[n,D] -> f32[B,T,D]: the audio tokens' rows, in reading order, replaced by the
+    audio tower's (transformers' masked_scatter); the counts must agree (check_count=False: rows past them)."""
+    n = int((input_ids == audio_token_id).sum())
+    if check_count and n != audio_embeds.shape[0]:
+        raise ValueError(f"audio features and audio tokens do not match: {n} tokens, {audio_embeds.shape[0]} features")
+    return merge_image_embeddings(embeds, input_ids, audio_embeds, audio_token_id, check_count=False)
 
 
 # ---- modules --------------------------------------------------------------------------------
@@ -165,13 +178,14 @@ class Qwen2OmniThinkerForConditionalGeneration(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def rope_index(self, input_ids, image_grid_thw, attention_mask):  # -> i64[3,B,T], i64[B,1]
+    def rope_index(self, input_ids, image_grid_thw, attention_mask, audio_seqlens=None):  # -> i64[3,B,T], i64[B,1]
+        """audio_seqlens i64[A]: each audio's feature frames (feature_attention_mask.sum(-1))."""
         c = self.config
         return mrope.get_rope_index_omni(
             input_ids, image_grid_thw, attention_mask, image_token_id=c.image_token_id,
             vision_start_token_id=c.vision_start_token_id, video_token_id=c.video_token_id,
             audio_token_id=c.audio_token_id, audio_start_token_id=c.audio_start_token_id,
-            spatial_merge_size=c.vision.spatial_merge_size)
+            spatial_merge_size=c.vision.spatial_merge_size, audio_seqlens=audio_seqlens)
 
     def encode_images(self, pixel_values, image_grid_thw):  # f32[P, C*2*14*14], i64[I,3] -> f32[P/4, D]
         """The tower's merged patch embeddings: what replaces the image tokens (frozen under LoRA, so a trainer
@@ -183,22 +197,38 @@ class Qwen2OmniThinkerForConditionalGeneration(nn.Module):
         i64[A] -> f32[sum of audio.audio_output_lengths(feature_lens), output_dim]."""
         return self.audio_tower(input_features, feature_lens)
 
+    def encode_audio(self, input_features, feature_attention_mask):  # f32[A, mel, F], [A, F] -> f32[n, output_dim]
+        """transformers' get_audio_features: each audio's masked frames, concatenated along time, through the
+        tower; one row per audio token (frozen under LoRA, so a trainer may compute them once per batch)."""
+        mask = feature_attention_mask.bool()
+        frames = input_features.permute(0, 2, 1)[mask].T  # f32[mel, sum of the audios' frames]
+        return self.audio_features(frames, feature_attention_mask.long().sum(-1))
+
     def forward(self, input_ids, attention_mask=None, position_ids=None, pixel_values=None, image_grid_thw=None,
-                return_hidden: bool = False, image_embeds=None):
+                return_hidden: bool = False, image_embeds=None, input_features=None, feature_attention_mask=None,
+                audio_embeds=None):
         """input_ids i64[B,T], attention_mask i64[B,T], position_ids i64[3,B,T] (None: the thinker's rope index
         of the batch), pixel_values f32[P, C*2*14*14], image_grid_thw i64[I,3] (or image_embeds f32[n,D],
-        encode_images' output) -> logits f32[B,T,V] (and the final hidden states with return_hidden)."""
-        refuse_audio_video(input_ids, self.config)
+        encode_images' output), input_features f32[A, mel, F] with feature_attention_mask [A, F] (or
+        audio_embeds f32[m, output_dim], encode_audio's output) -> logits f32[B,T,V] (and the final hidden states
+        with return_hidden)."""
+        c = self.config
+        refuse_unplaced_tokens(input_ids, c, input_features is not None or audio_embeds is not None)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if position_ids is None:
-            position_ids, _ = self.rope_index(input_ids, image_grid_thw, attention_mask)
+            seqlens = None if feature_attention_mask is None else feature_attention_mask.long().sum(-1)
+            position_ids, _ = self.rope_index(input_ids, image_grid_thw, attention_mask, seqlens)
         embeds = self.model.embed_tokens(input_ids)
+        if input_features is not None:
+            audio_embeds = self.encode_audio(input_features, feature_attention_mask)
+        if audio_embeds is not None:
+            embeds = merge_audio_embeddings(embeds, input_ids, audio_embeds, c.audio_token_id)
         if pixel_values is not None:
             image_embeds = self.encode_images(pixel_values, image_grid_thw)
         if image_embeds is not None:
-            embeds = merge_image_embeddings(embeds, input_ids, image_embeds, self.config.image_token_id)
-        hidden = self.model(embeds, layer_inputs(self.config, attention_mask, position_ids))
+            embeds = merge_image_embeddings(embeds, input_ids, image_embeds, c.image_token_id)
+        hidden = self.model(embeds, layer_inputs(c, attention_mask, position_ids))
         logits = self.lm_head(hidden)
         return (logits, hidden) if return_hidden else logits
 
