@@ -113,3 +113,18 @@ def make_qwen3_vl(out_dir) -> Path:
     2 x 32, patch 16, 8x8 positions, deepstack [0, 1])."""
     return write_checkpoint(out_dir, QWEN3_VL_CONFIG, qwen3_vl_tensors(QWEN3_VL_CONFIG, QWEN3_VL_SEED),
                             QWEN3_VL_GENERATION_CONFIG)
+
+
+# ---- this family's rows in the shared tool tables (found here by name: register once) ----
+
+# tools/make_tokenizer.py: Qwen3-VL's special tokens in the release's order from 400 (151643.. there: the Qwen-VL
+# tokens of tools/make_vl_checkpoints.py VL_SPECIALS, then the tool-call, FIM and thinking tokens, so <think> is 424
+# as 151667 is; spelled out: the table is read as a literal); the Instruct release: no bos, eos <|im_end|>, pad
+# <|endoftext|>
+TOKENIZER = {"specials": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                          "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+                          "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
+                          "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+                          "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>",
+                          "</think>"),
+             "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}

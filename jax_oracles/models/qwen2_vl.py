@@ -203,6 +203,9 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         if not c.tie_word_embeddings:
             self.lm_head = nn.Dense(c.text.vocab_size, use_bias=False)
 
+    def embed(self, input_ids):  # i32[B,T] -> f32[B,T,D]: the token embeddings (text only)
+        return self.model.embed(input_ids)
+
     def encode_images(self, pixel_values, image_grid_thw):  # f32[P, C*2*14*14], (host) [I,3] -> f32[P/4, D]
         """The tower's merged patch embeddings: what replaces the image tokens (frozen under LoRA, so a trainer
         computes them once per batch, outside its jitted step)."""

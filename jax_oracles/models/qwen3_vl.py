@@ -5,6 +5,12 @@ tower (models/vision.py), whose deepstack features join the image rows after the
 public names in the same order; params named after the HF checkpoint (`model/language_model/...`,
 `model/visual/...`; see conversion/qwen3_vl.py). The image grid is static host data, as everything the tower
 derives from it; the rope index is host numpy too (data-dependent), so a jitted caller passes position_ids.
+
+The tower's output may also come precomputed (a LoRA trainer runs the frozen tower once per batch, outside its
+jitted step): `encode_images` gives the forward's image keywords, `image_embeds` f32[n,D] (the merged patches) and
+`deepstack_embeds` f32[n,K,D] (row k: the K deepstack features of the k-th image token), both indexed by image
+token on axis 0 so a caller pads them alike; `model(ids, mask, pos, **model.encode_images(px, grid))` is
+`model(ids, mask, pos, px, grid)`.
 """
 
 from __future__ import annotations
@@ -131,11 +137,12 @@ def layer_inputs(config: Qwen3VLConfig, attention_mask, position_ids) -> LayerIn
     return LayerInputs(causal_mask(attention_mask), cos, sin)
 
 
-def add_deepstack(hidden, visual_pos_masks, visual_embeds):
+def add_deepstack(hidden, visual_pos_masks, visual_embeds, check_count: bool = True):
     """f32[B,T,D], bool[B,T], f32[n,D] -> f32[B,T,D]: the n visual rows, in reading order, plus one deepstack
     feature each (transformers' `_deepstack_process`); every other row unchanged. The counts are checked where
-    the mask is concrete."""
-    if not _traced(visual_pos_masks) and int(np.asarray(visual_pos_masks).sum()) != visual_embeds.shape[0]:
+    the mask is concrete (check_count=False: visual_embeds may carry rows past them, never read)."""
+    if (check_count and not _traced(visual_pos_masks)
+            and int(np.asarray(visual_pos_masks).sum()) != visual_embeds.shape[0]):
         raise ValueError(f"deepstack features and image tokens do not match: {int(np.asarray(visual_pos_masks).sum())} "
                          f"tokens, {visual_embeds.shape[0]} features")
     B, T, D = hidden.shape
@@ -146,6 +153,18 @@ def add_deepstack(hidden, visual_pos_masks, visual_embeds):
 
 def _traced(x) -> bool:
     return isinstance(x, jax.core.Tracer)
+
+
+def _stacked(deepstack, merged):  # [f32[n,D]] * K, f32[n,D] -> f32[n,K,D]
+    """The tower's deepstack features with the image token first (padded alike with image_embeds)."""
+    return jnp.stack(deepstack, axis=1) if deepstack else jnp.zeros((merged.shape[0], 0, merged.shape[1]), merged.dtype)
+
+
+def _check_image_keywords(image_embeds, deepstack_embeds):
+    """Qwen3-VL's image rows need both parts: merged patches without their deepstack features (or the reverse)
+    would run a different model silently."""
+    if (image_embeds is None) != (deepstack_embeds is None):
+        raise ValueError("Qwen3-VL takes image_embeds and deepstack_embeds together (encode_images gives both)")
 
 
 # ---- modules --------------------------------------------------------------------------------
@@ -165,12 +184,13 @@ class Qwen3VLTextModel(nn.Module):
     def embed(self, input_ids):  # i32[B,T] -> f32[B,T,D]
         return self.embed_tokens(input_ids)
 
-    def __call__(self, embeds, inputs: LayerInputs, visual_pos_masks=None, deepstack_visual_embeds=()):
+    def __call__(self, embeds, inputs: LayerInputs, visual_pos_masks=None, deepstack_visual_embeds=(),
+                 check_count: bool = True):
         """embeds f32[B,T,D], visual_pos_masks bool[B,T], deepstack_visual_embeds [f32[n,D]] -> f32[B,T,D]."""
         for k, layer in enumerate(self.layers):
             embeds = layer(embeds, inputs)
             if k < len(deepstack_visual_embeds):
-                embeds = add_deepstack(embeds, visual_pos_masks, deepstack_visual_embeds[k])
+                embeds = add_deepstack(embeds, visual_pos_masks, deepstack_visual_embeds[k], check_count)
         return self.norm(embeds)
 
 
@@ -179,18 +199,32 @@ class Qwen3VLModel(nn.Module):
     config: Qwen3VLConfig
     lora_scaling: float = 2.0
 
-    @nn.compact
-    def __call__(self, input_ids, attention_mask, position_ids, pixel_values=None, image_grid_thw=None):
-        """i32[B,T], i32[B,T], i32[3,B,T], f32[P, C*2*16*16], (host) [I,3] -> the final hidden states f32[B,T,D]."""
+    def setup(self):
+        self.visual = Qwen3VisionTransformer(self.config.vision)
+        self.language_model = Qwen3VLTextModel(self.config, self.lora_scaling)
+
+    def encode_images(self, pixel_values, image_grid_thw):
+        """f32[P, C*2*16*16], (host) [I,3] -> {image_embeds f32[P/4,D], deepstack_embeds f32[P/4,K,D]}."""
+        merged, deepstack = self.visual(pixel_values, image_grid_thw)
+        return {"image_embeds": merged, "deepstack_embeds": _stacked(deepstack, merged)}
+
+    def __call__(self, input_ids, attention_mask, position_ids, pixel_values=None, image_grid_thw=None,
+                 image_embeds=None, deepstack_embeds=None):
+        """i32[B,T], i32[B,T], i32[3,B,T], f32[P, C*2*16*16], (host) [I,3] (or encode_images' two arrays, rows past
+        the image tokens' count never read) -> the final hidden states f32[B,T,D]."""
         c = self.config
+        exact = pixel_values is not None  # the tower's own rows: their count is checked; precomputed ones may be padded
+        if exact:
+            features = self.encode_images(pixel_values, image_grid_thw)
+            image_embeds, deepstack_embeds = features["image_embeds"], features["deepstack_embeds"]
+        _check_image_keywords(image_embeds, deepstack_embeds)
         inputs = layer_inputs(c, attention_mask, position_ids)
-        language_model = Qwen3VLTextModel(c, self.lora_scaling, name="language_model")
-        embeds = language_model.embed(input_ids)
-        if pixel_values is None:
-            return language_model(embeds, inputs)
-        image_embeds, deepstack = Qwen3VisionTransformer(c.vision, name="visual")(pixel_values, image_grid_thw)
-        embeds = merge_image_embeddings(embeds, input_ids, image_embeds, c.image_token_id)
-        return language_model(embeds, inputs, input_ids == c.image_token_id, deepstack)
+        embeds = self.language_model.embed(input_ids)
+        if image_embeds is None:
+            return self.language_model(embeds, inputs)
+        embeds = merge_image_embeddings(embeds, input_ids, image_embeds, c.image_token_id, check_count=exact)
+        deepstack = [deepstack_embeds[:, k] for k in range(deepstack_embeds.shape[1])]
+        return self.language_model(embeds, inputs, input_ids == c.image_token_id, deepstack, check_count=exact)
 
 
 class Qwen3VLForConditionalGeneration(nn.Module):
@@ -205,11 +239,26 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         return mrope.get_rope_index(input_ids, image_grid_thw, attention_mask, mm_token_type_ids=types,
                                     spatial_merge_size=c.vision.spatial_merge_size)
 
-    @nn.compact
+    def setup(self):
+        c = self.config
+        self.model = Qwen3VLModel(c, self.lora_scaling)
+        if not c.tie_word_embeddings:
+            self.lm_head = nn.Dense(c.text.vocab_size, use_bias=False)
+
+    def embed(self, input_ids):  # i32[B,T] -> f32[B,T,D]: the token embeddings (text only)
+        return self.model.language_model.embed(input_ids)
+
+    def encode_images(self, pixel_values, image_grid_thw):
+        """The forward's image keywords: {image_embeds f32[n,D], deepstack_embeds f32[n,K,D]}, the frozen tower's
+        output (a trainer computes it once per batch, outside its jitted step)."""
+        return self.model.encode_images(pixel_values, image_grid_thw)
+
     def __call__(self, input_ids, attention_mask=None, position_ids=None, pixel_values=None, image_grid_thw=None,
-                 return_hidden: bool = False):
+                 return_hidden: bool = False, image_embeds=None, deepstack_embeds=None):
         """input_ids i32[B,T], attention_mask i32[B,T], position_ids i32[3,B,T] (None: the rope index, on the
-        host), pixel_values f32[P, C*2*16*16], image_grid_thw (host) [I,3] -> logits f32[B,T,V]."""
+        host), pixel_values f32[P, C*2*16*16], image_grid_thw (host) [I,3] (or image_embeds f32[n,D] and
+        deepstack_embeds f32[n,K,D], encode_images' output; rows past the image tokens' count are never read)
+        -> logits f32[B,T,V]."""
         c = self.config
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
@@ -218,10 +267,10 @@ class Qwen3VLForConditionalGeneration(nn.Module):
                 raise TypeError("position_ids are needed under jit: the rope index is host numpy "
                                 "(Qwen3VLForConditionalGeneration.rope_index)")
             position_ids, _ = self.rope_index(np.asarray(input_ids), image_grid_thw, np.asarray(attention_mask))
-        hidden = Qwen3VLModel(c, self.lora_scaling, name="model")(input_ids, attention_mask, position_ids,
-                                                                  pixel_values, image_grid_thw)
+        hidden = self.model(input_ids, attention_mask, position_ids, pixel_values, image_grid_thw, image_embeds,
+                            deepstack_embeds)
         if c.tie_word_embeddings:  # Qwen3-VL-2B / 4B: the embedding doubles as the output head
             logits = hidden @ self.variables["params"]["model"]["language_model"]["embed_tokens"]["embedding"].T
         else:
-            logits = nn.Dense(c.text.vocab_size, use_bias=False, name="lm_head")(hidden)
+            logits = self.lm_head(hidden)
         return (logits, hidden) if return_hidden else logits

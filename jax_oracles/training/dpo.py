@@ -30,8 +30,9 @@ from .collator import PairwiseDataCollator, collated_positions
 from .loss import IGNORE_INDEX
 from .lora import disable_adapter, init_lora_tree, lora_state_dict, lora_tree_from_state_dict
 from .processor import preprocess_pairwise_dataset
-from .sft import (CausalLM, TrainArgs, _embedded, _fake_image_length, _fixed_tokenizer, _lora_optimizer, load_model,
-                  lora_config, media_dir, multimodal_context, num_training_steps, step_example_indices)
+from .sft import (CausalLM, TrainArgs, _embedded, _fake_image_length, _fixed_tokenizer, _image_features,
+                  _lora_optimizer, _pad_rows, load_model, lora_config, media_dir, multimodal_context,
+                  num_training_steps, step_example_indices)
 
 __all__ = ["DPOArgs", "DPOResult", "METRICS", "load_pairwise_dataset", "make_collator", "get_batch_logps",
            "dpo_loss", "concatenated_forward", "reference_log_probs", "batch_loss_metrics",
@@ -117,10 +118,10 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
 def concatenated_forward(module, variables: dict, batch: dict) -> dict:
     """One forward of the 2N collated rows (chosen first) -> chosen/rejected log-probs f32[N], logits
     f32[N,T,V], and the chosen log-probs per valid token. A vision-language batch brings its M-RoPE positions
-    and the tower's image embeddings; a text batch takes torch's collated positions (its longrope table)."""
+    and the tower's image features; a text batch takes torch's collated positions (its longrope table)."""
     if "position_ids" in batch:
-        extra = {"image_embeds": batch["image_embeds"]} if "image_embeds" in batch else {}
-        logits = module.apply(variables, batch["input_ids"], batch["attention_mask"], batch["position_ids"], **extra)
+        logits = module.apply(variables, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
+                              **_image_features(batch))
     else:
         logits = module.apply(variables, batch["input_ids"], batch["attention_mask"],
                               collated_positions(batch["attention_mask"]))
@@ -234,10 +235,8 @@ def _pad_pairs(batch: dict, pairs: int, length: int, pad_token_id: int) -> dict[
         for half in (0, 1):
             out["position_ids"][:, half * pairs:half * pairs + n, :t] = np.asarray(batch["position_ids"])[
                 :, half * n:(half + 1) * n]
-    if "image_embeds" in batch:  # reading order is kept: filler rows between the halves hold no image token
-        embeds = np.asarray(batch["image_embeds"], np.float32)
-        out["image_embeds"] = np.zeros((2 * pairs * length, embeds.shape[-1]), np.float32)
-        out["image_embeds"][:len(embeds)] = embeds
+    # image features keep their reading order: filler rows between the halves hold no image token
+    out.update({k: _pad_rows(v, 2 * pairs * length) for k, v in _image_features(batch).items()})
     out["pair_mask"] = (np.arange(pairs) < n).astype(np.float32)
     out["columns"] = np.int32(max(t, 1))
     return out
@@ -248,9 +247,7 @@ def _empty_like(batch: dict) -> dict[str, np.ndarray]:
     empty = {k: np.zeros((0, 0), np.int32) for k in _FIELDS}
     if "position_ids" in batch:
         empty["position_ids"] = np.zeros((3, 0, 0), np.int32)
-    if "image_embeds" in batch:
-        empty["image_embeds"] = np.zeros((0, np.shape(batch["image_embeds"])[-1]), np.float32)
-    return empty
+    return {**empty, **{k: np.zeros((0, *np.shape(v)[1:]), np.float32) for k, v in _image_features(batch).items()}}
 
 
 def _stack_step(micro_batches: list[dict], num_micro: int, pairs: int, length: int,

@@ -14,12 +14,13 @@ PPO step's (the schedule steps once per PPO step, not per optimizer update), pas
 Vision-language policies (qwen2_vl and kin): the torch twin's docstring says why LF 0.9.5's own PPO cannot run
 them and what its VL path is (LF's PPO with the multimodal collator's inputs passed where a VL model needs them;
 the fake image kept out of the queries). Here the frozen tower runs once per image outside the jit (sft.
-encode_images, a compile per image grid); its merged embeddings travel per token (token_embeds f32[B,T,D], read
-at the image tokens: a generated image-pad token reads the token's text embedding), with the prompt's M-RoPE
-positions [B,3,P] and rope deltas [B]. Generation keeps its lax.scan on the fixed buffer, positions [3,B,P+N]
-(the prompt's, then each new token's text position + the row's delta); the rollout batch carries row_positions
-i32[B,3,W] (the query's, then text continuing: the rope index of query + response) and token_embeds f32[B,W,D],
-per row, so the step's mini-batch permutations take them along. The reward model scores the ids as before.
+encode_images, a compile per image grid); its image features (sft.IMAGE_FEATURES: the merged patches, and
+Qwen3-VL's DeepStack features) travel per token (`token_<keyword>` f32[B,T,...], read at the image tokens: a
+generated image-pad token reads the token's text embedding and no DeepStack), with the prompt's M-RoPE positions
+[B,3,P] and rope deltas [B]. Generation keeps its lax.scan on the fixed buffer, positions [3,B,P+N] (the prompt's,
+then each new token's text position + the row's delta); the rollout batch carries row_positions i32[B,3,W] (the
+query's, then text continuing: the rope index of query + response) and the per-token features f32[B,W,...], per
+row, so the step's mini-batch permutations take them along. The reward model scores the ids as before.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ from .lora import init_lora_tree, lora_state_dict, lora_tree_from_state_dict
 from .optimizer import LR_MULTIPLIERS, _decay_mask, clip_grad_norm, get_warmup_steps
 from .processor import preprocess_unsupervised_dataset
 from .collator import MultimodalContext
-from .sft import (CausalLM, TrainArgs, _fake_image_length, _fixed_tokenizer, encode_images, load_model, lora_config,
-                  media_dir, multimodal_context)
+from .sft import (IMAGE_FEATURES, CausalLM, TrainArgs, _fake_image_length, _fixed_tokenizer, encode_images, load_model,
+                  lora_config, media_dir, multimodal_context)
 
 __all__ = ["PPOArgs", "PPOResult", "STATS", "VALUE_HEAD_FILE", "load_prompt_dataset", "make_collator",
            "prompt_batch_indices", "num_training_steps", "init_value_head", "value_head",
@@ -191,14 +192,16 @@ class CausalLMWithValueHead:
     module: object
     params: dict
 
-    def apply(self, lora, v_head, input_ids, attention_mask, position_ids=None, image_embeds=None):
-        return _forward(self.module, self.params, lora, v_head, input_ids, attention_mask, position_ids, image_embeds)
+    def apply(self, lora, v_head, input_ids, attention_mask, position_ids=None, **image_features):
+        return _forward(self.module, self.params, lora, v_head, input_ids, attention_mask, position_ids,
+                        **image_features)
 
 
-def _forward(module, params, lora, v_head, input_ids, attention_mask, position_ids=None, image_embeds=None):
+def _forward(module, params, lora, v_head, input_ids, attention_mask, position_ids=None, **image_features):
+    """image_features: a VL model's image keywords (sft.IMAGE_FEATURES), indexed by image token."""
     variables = {"params": params} if lora is None else {"params": params, "lora": lora}
-    extra = {} if image_embeds is None else {"image_embeds": image_embeds}  # a VL model's merged patches
-    logits, hidden = module.apply(variables, input_ids, attention_mask, position_ids, return_hidden=True, **extra)
+    logits, hidden = module.apply(variables, input_ids, attention_mask, position_ids, return_hidden=True,
+                                  **image_features)
     return logits.astype(jnp.float32), value_head(hidden, v_head["summary"]["weight"], v_head["summary"]["bias"])
 
 
@@ -254,30 +257,44 @@ def sample_next_tokens(logits, noise, args: PPOArgs):
     return jnp.argmax(jax.nn.softmax(warp_logits(logits, args), axis=-1) / noise, axis=-1).astype(jnp.int32)
 
 
-def _image_token_text_embedding(module, params):  # -> f32[D]
-    """The image-pad token's own (text) embedding: what a generated image-pad token is embedded as."""
-    return params["model"]["embed_tokens"]["embedding"][module.config.image_token_id]
+_TOKEN = "token_"  # a VL batch's per-token image features: token_<keyword> f32[B,T,...] (keyword: sft.IMAGE_FEATURES)
 
 
-def _image_embeds(module, input_ids, token_embeds):  # i32[B,T], f32[B,T,D] -> f32[B*T,D]
-    """The forward's image_embeds: row k = the token embedding at the k-th image token in reading order (the rows
-    past the image tokens' count are never read)."""
+def _token_features(inputs: dict) -> dict:  # -> {keyword: f32[B,T,...]}
+    return {k: inputs[_TOKEN + k] for k in IMAGE_FEATURES if _TOKEN + k in inputs}
+
+
+def _text_features(module, params, features: dict) -> dict:  # {keyword: f32[B,T,...]} -> {keyword: f32[...]}
+    """What a generated image-pad token carries: it is text (as generate's decode steps embed it), so its merged
+    patch is the token's own text embedding and an added feature (DeepStack's) is zero (x + 0 = x)."""
+    ids = jnp.full((1, 1), module.config.image_token_id, jnp.int32)
+    text = module.apply({"params": params}, ids, method="embed")[0, 0]
+    return {k: text if k == "image_embeds" else jnp.zeros(v.shape[2:], v.dtype) for k, v in features.items()}
+
+
+def _image_inputs(module, input_ids, features: dict) -> dict:  # i32[B,T], {k: f32[B,T,...]} -> {k: f32[B*T,...]}
+    """The forward's image keywords: row k = the features at the k-th image token in reading order (the rows past
+    the image tokens' count are never read)."""
     flat = (input_ids == module.config.image_token_id).reshape(-1)
     (where,) = jnp.nonzero(flat, size=flat.shape[0], fill_value=0)
-    return token_embeds.reshape(flat.shape[0], -1)[where]
+    return {k: v.reshape(flat.shape[0], *v.shape[2:])[where] for k, v in features.items()}
 
 
 def prompt_vision(policy: CausalLMWithValueHead, batch: dict) -> dict | None:
-    """A collated VL prompt batch -> {positions i32[B,3,P], rope_deltas i32[B], token_embeds f32[B,P,D]: the frozen
-    tower's merged embeddings at the image tokens (encode_images, outside the jit), 0 elsewhere}; None for text."""
+    """A collated VL prompt batch -> {positions i32[B,3,P], rope_deltas i32[B], token_<keyword> f32[B,P,...]: the
+    frozen tower's image features at the image tokens (encode_images, outside the jit), 0 elsewhere}; None for
+    text."""
     if "pixel_values" not in batch:
         return None
-    embeds = encode_images(policy, batch["pixel_values"], batch["image_grid_thw"])
+    features = encode_images(policy, batch["pixel_values"], batch["image_grid_thw"])
     ids = np.asarray(batch["input_ids"])
-    token_embeds = np.zeros((*ids.shape, embeds.shape[-1]), np.float32)
-    token_embeds[ids == policy.module.config.image_token_id] = embeds
+    at_images = ids == policy.module.config.image_token_id
+    per_token = {}
+    for k, rows in features.items():
+        per_token[_TOKEN + k] = np.zeros((*ids.shape, *rows.shape[1:]), np.float32)
+        per_token[_TOKEN + k][at_images] = rows
     return {"positions": np.asarray(batch["position_ids"], np.int32).transpose(1, 0, 2),
-            "rope_deltas": np.asarray(batch["rope_deltas"], np.int32)[:, 0], "token_embeds": token_embeds}
+            "rope_deltas": np.asarray(batch["rope_deltas"], np.int32)[:, 0], **per_token}
 
 
 def _generate(module, args, eos_token_ids, pad_token_id, params, lora, input_ids, attention_mask, noise, vision=None):
@@ -288,9 +305,11 @@ def _generate(module, args, eos_token_ids, pad_token_id, params, lora, input_ids
     mask = jnp.concatenate([attention_mask, jnp.zeros((B, N), jnp.int32)], axis=1)
     eos = jnp.asarray(eos_token_ids, jnp.int32)
     variables = {"params": params, "lora": lora}
-    if vision is not None:  # new tokens read the image-pad text embedding (only an image-pad token reads it)
-        text = _image_token_text_embedding(module, params)
-        token_embeds = jnp.concatenate([vision["token_embeds"], jnp.broadcast_to(text, (B, N, text.shape[-1]))], axis=1)
+    if vision is not None:  # new tokens carry the image-pad token's text features (only an image-pad token reads them)
+        features = _token_features(vision)
+        text = _text_features(module, params, features)
+        features = {k: jnp.concatenate([v, jnp.broadcast_to(text[k], (B, N, *text[k].shape))], axis=1)
+                    for k, v in features.items()}
 
     def forward(ids, mask):
         if vision is None:
@@ -299,7 +318,7 @@ def _generate(module, args, eos_token_ids, pad_token_id, params, lora, input_ids
         decode = jnp.where(mask == 0, 0, jnp.cumsum(mask, axis=-1) - 1) + vision["rope_deltas"][:, None]
         position_ids = jnp.concatenate([jnp.transpose(vision["positions"], (1, 0, 2)),
                                         jnp.broadcast_to(decode[None, :, P:], (3, B, N))], axis=2)
-        return module.apply(variables, ids, mask, position_ids, image_embeds=_image_embeds(module, ids, token_embeds))
+        return module.apply(variables, ids, mask, position_ids, **_image_inputs(module, ids, features))
 
     def body(carry, t):
         ids, mask, finished = carry
@@ -382,20 +401,25 @@ def _model_inputs(query_ids, start, query_len, response_ids, response_len, pad_t
     return {"input_ids": ids.astype(jnp.int32), "attention_mask": (j < total).astype(jnp.int32)}
 
 
-def _vision_inputs(vision, start, query_len, response_len, width: int, text_embedding):
+def _vision_inputs(vision, start, query_len, response_len, width: int, text_features: dict):
     """A VL rollout batch's per-row inputs of query + response [B, width]: row_positions i32[B,3,W] (the query's
-    prompt positions, then text: column j at j + delta; pads 0) and token_embeds f32[B,W,D] (the query's; the
-    image-pad text embedding past it)."""
-    P = vision["token_embeds"].shape[1]
+    prompt positions, then text: column j at j + delta; pads 0) and the per-token image features f32[B,W,...]
+    (the query's; the image-pad token's text features past it)."""
+    P = vision["positions"].shape[2]
     j = jnp.arange(width)[None]
     src = jnp.clip(start[:, None] + j, 0, P - 1)
     in_query, in_row = j < query_len[:, None], j < (query_len + response_len)[:, None]
     query_positions = jnp.take_along_axis(vision["positions"], src[:, None, :], axis=2)
     text = jnp.where(in_row, j + vision["rope_deltas"][:, None], 0)
     positions = jnp.where(in_query[:, None], query_positions, text[:, None])
-    query_embeds = jnp.take_along_axis(vision["token_embeds"], src[..., None], axis=1)
+
+    def per_token(v, text_feature):  # f32[B,P,...] -> f32[B,W,...]
+        trailing = (1,) * (v.ndim - 2)  # the feature's own axes, broadcast
+        query = jnp.take_along_axis(v, src.reshape(*src.shape, *trailing), axis=1)
+        return jnp.where(in_query.reshape(*in_query.shape, *trailing), query, text_feature)
+
     return {"row_positions": positions.astype(jnp.int32),
-            "token_embeds": jnp.where(in_query[..., None], query_embeds, text_embedding)}
+            **{_TOKEN + k: per_token(v, text_features[k]) for k, v in _token_features(vision).items()}}
 
 
 def prepare_model_inputs(queries, responses, pad_token_id: int, width: int | None = None) -> dict[str, np.ndarray]:
@@ -446,9 +470,9 @@ def batched_forward_pass(policy: CausalLMWithValueHead, lora, v_head, model_inpu
     """(logprobs f32[B,W-1], logits f32[B,W-1,V] or None, values f32[B,W-1], masks f32[B,W-1]) of right-padded
     inputs; lora None = the reference (adapter disabled)."""
     ids, mask = model_inputs["input_ids"], model_inputs["attention_mask"]
-    if "row_positions" in model_inputs:  # a VL batch: its M-RoPE positions and image embeddings
+    if "row_positions" in model_inputs:  # a VL batch: its M-RoPE positions and image features
         logits, values = policy.apply(lora, v_head, ids, mask, jnp.transpose(model_inputs["row_positions"], (1, 0, 2)),
-                                      _image_embeds(policy.module, ids, model_inputs["token_embeds"]))
+                                      **_image_inputs(policy.module, ids, _token_features(model_inputs)))
     else:
         logits, values = policy.apply(lora, v_head, ids, mask, model_inputs.get("position_ids"))
     logprobs = logprobs_from_logits(logits[:, :-1], ids[:, 1:])
@@ -692,7 +716,7 @@ def _rollout(module, reward_module, args, eos_token_ids, pad_token_id, params, l
     inputs = _model_inputs(prompt_ids, start, query_len, responses, response_len, pad_token_id)
     if vision is not None:  # the reward model (text) reads the ids only
         inputs_vl = _vision_inputs(vision, start, query_len, response_len, inputs["input_ids"].shape[1],
-                                   _image_token_text_embedding(module, params))
+                                   _text_features(module, params, _token_features(vision)))
     cut = jnp.where(jnp.arange(responses.shape[1])[None] < response_len[:, None], responses, -1)
     batch = {**inputs, "query_len": query_len, "response_len": response_len,
              "scores": _scores(reward, reward_v_head, inputs)}
@@ -711,7 +735,7 @@ def rollout(policy, lora, reward_model, reward_v_head, prompt_features: list[dic
     batch {input_ids, attention_mask [B, width + N], query_len, response_len, scores}, the cut responses
     i32[B, N], -1 padded). The noise of mini-batch m is rollout_noise(seed, step, m) unless `noise` is given.
     With `mm` (a VL template's collator context) the prompts bring their images and M-RoPE positions, and the
-    batch gains row_positions i32[B,3,W] and token_embeds f32[B,W,D]."""
+    batch gains row_positions i32[B,3,W] and the per-token image features token_<keyword> f32[B,W,...]."""
     prompts = PromptDataCollator(pad_token_id, pad_to_length=width, mm=mm)(prompt_features)
     vision = prompt_vision(policy, prompts)
     B, mb, N = len(prompt_features), args.mini_batch_size, args.max_new_tokens

@@ -36,7 +36,8 @@ from .template import get_template, load_tokenizer
 
 __all__ = ["TrainArgs", "SFTResult", "lora_config", "media_dir", "load_processed_dataset", "multimodal_context",
            "make_collator", "MODEL_INPUTS", "model_inputs", "step_example_indices",
-           "num_training_steps", "CausalLM", "load_model", "encode_images", "sft_step_loss_and_grads", "train_steps",
+           "num_training_steps", "CausalLM", "load_model", "IMAGE_FEATURES", "encode_images", "sft_step_loss_and_grads",
+           "train_steps",
            "mean_of_batch_losses", "evaluate_loss", "train_sft"]
 
 _peft_state_dict = lora_state_dict  # for functions whose lora_state_dict argument shadows the name
@@ -173,17 +174,17 @@ def _label_count(labels):  # i32[..., T] -> f32 scalar: labelled positions befor
 
 def _forward(module, variables, batch):
     """The family's logits on a padded batch: a vision-language batch brings its M-RoPE positions and the tower's
-    image embeddings (computed outside the step: the tower is frozen); a text batch takes torch's collated
+    image features (computed outside the step: the tower is frozen); a text batch takes torch's collated
     positions (its longrope table)."""
     if "position_ids" in batch:
-        extra = {"image_embeds": batch["image_embeds"]} if "image_embeds" in batch else {}
-        return module.apply(variables, batch["input_ids"], batch["attention_mask"], batch["position_ids"], **extra)
+        return module.apply(variables, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
+                            **_image_features(batch))
     return module.apply(variables, batch["input_ids"], batch["attention_mask"],
                         collated_positions(batch["attention_mask"]))
 
 
 def _accumulate(module, params, lora, batches):
-    """batches: dict of i32[GA,B,L] (+ position_ids i32[GA,3,B,L], image_embeds f32[GA,N,D]) -> (step loss,
+    """batches: dict of i32[GA,B,L] (+ position_ids i32[GA,3,B,L], image features f32[GA,N,...]) -> (step loss,
     summed grads) over the GA micro-batches."""
     num_items = _label_count(batches["labels"])
 
@@ -227,36 +228,63 @@ def _eval_fn(module):
 
 # ---- static-shape batching -------------------------------------------------------------------
 
+# The forward keywords that carry the frozen tower's output, each indexed by image token (reading order) on axis 0:
+# the merged patches that replace the image tokens' embeddings (every Qwen-VL family), and Qwen3-VL's DeepStack
+# features f32[n,K,D], added after the first K decoder layers. A batch pads each of them alike.
+IMAGE_FEATURES = ("image_embeds", "deepstack_embeds")
+
+
+def _image_features(batch: dict) -> dict:
+    """The batch's image features (the forward's keywords; {} for text)."""
+    return {k: batch[k] for k in IMAGE_FEATURES if k in batch}
+
+
+def _as_features(encoded) -> dict:
+    """A family's encode_images output as forward keywords: its dict (Qwen3-VL), or the merged patches alone."""
+    return dict(encoded) if isinstance(encoded, dict) else {"image_embeds": encoded}
+
+
 @functools.lru_cache(maxsize=None)
 def _encode_fn(module, grid: tuple[int, int, int]):
-    return jax.jit(lambda params, pixels: module.apply({"params": params}, pixels, np.array([grid]),
-                                                       method="encode_images"))
+    return jax.jit(lambda params, pixels: _as_features(
+        module.apply({"params": params}, pixels, np.array([grid]), method="encode_images")))
 
 
-def encode_images(model: "CausalLM", pixel_values, image_grid_thw) -> np.ndarray:
-    """f32[P, C*T*ps*ps], i64[I,3] -> f32[n,D]: the frozen tower's merged embeddings of a batch's images, one image
-    at a time (a compile per image grid, reused across batches), in the batch's order."""
+def encode_images(model: "CausalLM", pixel_values, image_grid_thw) -> dict[str, np.ndarray]:
+    """f32[P, C*T*ps*ps], i64[I,3] -> the frozen tower's output as forward keywords ({image_embeds f32[n,D]}, and
+    deepstack_embeds f32[n,K,D] for Qwen3-VL) of a batch's images, one image at a time (a compile per image grid,
+    reused across batches), in the batch's order."""
     out, start = [], 0
     for grid in np.asarray(image_grid_thw).tolist():
         n = int(np.prod(grid))
         out.append(_encode_fn(model.module, tuple(grid))(model.params, pixel_values[start:start + n]))
         start += n
-    return np.concatenate([np.asarray(e) for e in jax.device_get(out)])
+    out = jax.device_get(out)
+    return {k: np.concatenate([np.asarray(o[k]) for o in out]) for k in out[0]}
 
 
 def _embedded(model: "CausalLM", batch: dict) -> dict:
-    """A collated vision-language batch with its pixels through the tower (image_embeds instead of pixel_values,
-    grids and rope deltas: what the jitted step takes); a text batch as it is."""
+    """A collated vision-language batch with its pixels through the tower (the image features instead of
+    pixel_values, grids and rope deltas: what the jitted step takes); a text batch as it is."""
     if "pixel_values" not in batch:
         return batch
     keep = {k: v for k, v in batch.items() if k not in ("pixel_values", "image_grid_thw", "rope_deltas")}
-    return {**keep, "image_embeds": encode_images(model, batch["pixel_values"], batch["image_grid_thw"])}
+    return {**keep, **encode_images(model, batch["pixel_values"], batch["image_grid_thw"])}
+
+
+def _pad_rows(x, rows: int) -> np.ndarray:
+    """f32[n, ...] -> f32[rows, ...]: zero rows after x's (image features: never read, no image token points
+    there)."""
+    x = np.asarray(x, np.float32)
+    out = np.zeros((rows, *x.shape[1:]), np.float32)
+    out[:len(x)] = x
+    return out
 
 
 def _pad_batch(batch: dict, rows: int, length: int, pad_token_id: int) -> dict[str, np.ndarray]:
     """Right-pad a collated batch to [rows, length]. Pad columns of real rows are masked; filler
-    rows get a full mask (no empty softmax row) and no labels. M-RoPE positions pad with 0, image embeddings
-    with zero rows up to rows * length (never read: no image token points there)."""
+    rows get a full mask (no empty softmax row) and no labels. M-RoPE positions pad with 0, image features
+    with zero rows up to rows * length (the most image tokens the batch can hold)."""
     n, t = np.shape(batch["input_ids"])
     ids = np.full((rows, length), pad_token_id, np.int32)
     mask = np.ones((rows, length), np.int32)
@@ -267,11 +295,7 @@ def _pad_batch(batch: dict, rows: int, length: int, pad_token_id: int) -> dict[s
     if "position_ids" in batch:
         out["position_ids"] = np.zeros((3, rows, length), np.int32)
         out["position_ids"][:, :n, :t] = batch["position_ids"]
-    if "image_embeds" in batch:
-        embeds = np.asarray(batch["image_embeds"], np.float32)
-        out["image_embeds"] = np.zeros((rows * length, embeds.shape[-1]), np.float32)
-        out["image_embeds"][:len(embeds)] = embeds
-    return out
+    return {**out, **{k: _pad_rows(v, rows * length) for k, v in _image_features(batch).items()}}
 
 
 def _filler(like: dict) -> dict[str, np.ndarray]:
@@ -279,9 +303,7 @@ def _filler(like: dict) -> dict[str, np.ndarray]:
     empty = {k: np.zeros((0, 0), np.int32) for k in ("input_ids", "attention_mask", "labels")}
     if "position_ids" in like:
         empty["position_ids"] = np.zeros((3, 0, 0), np.int32)
-    if "image_embeds" in like:
-        empty["image_embeds"] = np.zeros((0, np.shape(like["image_embeds"])[-1]), np.float32)
-    return empty
+    return {**empty, **{k: np.zeros((0, *np.shape(v)[1:]), np.float32) for k, v in _image_features(like).items()}}
 
 
 def _stack_step(micro_batches: list[dict], num_micro: int, rows: int, length: int,

@@ -190,6 +190,49 @@ def test_deepstack_has_teeth(models):
     assert np.abs(first - want)[image].max() > 1e4 * tol  # the feature added after the last layer matters too
 
 
+def test_precomputed_image_features_match_the_pixels(models):
+    """The trainers' path: encode_images (the frozen tower once, outside a jitted step) gives image_embeds f32[n,D]
+    and deepstack_embeds f32[n,K,D], row k the k-th image token's; the forward on them is the forward on the pixels
+    (torch: the same ops, bit for bit; JAX: jitted, with zero rows padding both to a static count)."""
+    _, src, params = models
+    ids, mask, pixels, grid = BATCHES["two-rows-right"]
+    t_ids, t_mask, t_grid = torch.tensor(ids), torch.tensor(mask), torch.tensor(grid)
+    with torch.no_grad():
+        want = src(t_ids, t_mask, pixel_values=torch.tensor(pixels), image_grid_thw=t_grid).numpy()
+        features = src.encode_images(torch.tensor(pixels), t_grid)
+        merged, deepstack = src.model.visual(torch.tensor(pixels), t_grid)
+        got = src(t_ids, t_mask, image_grid_thw=t_grid, **features).numpy()
+    n, K = int((ids == IMG).sum()), len(deepstack)
+    assert features["image_embeds"].shape == (n, 64) and features["deepstack_embeds"].shape == (n, K, 64) and K == 2
+    np.testing.assert_array_equal(features["image_embeds"].numpy(), merged.numpy())
+    for k in range(K):
+        np.testing.assert_array_equal(features["deepstack_embeds"][:, k].numpy(), deepstack[k].numpy())
+    np.testing.assert_array_equal(got, want)
+
+    model = _jax_model()
+    positions, _ = model.rope_index(ids, grid, mask)
+
+    def encoded_then_forward(p, i, m, pos, px):  # one compile: encode, pad both parts with rows never read, forward
+        encoded = model.apply({"params": p}, px, grid, method="encode_images")
+        padded = {k: jnp.concatenate([v, jnp.full((9, *v.shape[1:]), 7.0, v.dtype)]) for k, v in encoded.items()}
+        return encoded, model.apply({"params": p}, i, m, pos, **padded)
+
+    encoded, got_jax = jax.jit(encoded_then_forward)(params, ids, mask, positions, pixels)
+    for k, v in encoded.items():
+        assert np.abs(np.asarray(v) - features[k].numpy()).max() <= JAX_TOL, k
+    assert np.abs(np.asarray(got_jax) - want).max() <= JAX_TOL
+
+    # the deepstack features are half of the image input: dropping them changes the logits, so both are required
+    with torch.no_grad():
+        no_deepstack = src(t_ids, t_mask, image_grid_thw=t_grid, image_embeds=features["image_embeds"],
+                           deepstack_embeds=torch.zeros_like(features["deepstack_embeds"])).numpy()
+    assert np.abs(no_deepstack - want)[ids == IMG].max() > 1e3 * TORCH_TOL
+    with pytest.raises(ValueError, match="deepstack_embeds"):
+        src(t_ids, t_mask, image_grid_thw=t_grid, image_embeds=features["image_embeds"])
+    with pytest.raises(ValueError, match="deepstack_embeds"):
+        model.apply({"params": params}, ids, mask, positions, image_embeds=encoded["image_embeds"])
+
+
 def test_image_count_mismatch_is_refused(models):
     _, src, params = models
     ids, mask, pixels, grid = BATCHES["image-last"]

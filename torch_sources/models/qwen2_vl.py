@@ -192,6 +192,9 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         return mrope.get_rope_index(input_ids, image_grid_thw, attention_mask, mm_token_type_ids=types,
                                     spatial_merge_size=c.vision.spatial_merge_size)
 
+    def embed(self, input_ids):  # i64[B,T] -> f32[B,T,D]: the token embeddings (text only)
+        return self.model.embed_tokens(input_ids)
+
     def encode_images(self, pixel_values, image_grid_thw):  # f32[P, C*2*14*14], i64[I,3] -> f32[P/4, D]
         """The tower's merged patch embeddings: what replaces the image tokens (frozen under LoRA, so a trainer
         may compute them once per batch)."""

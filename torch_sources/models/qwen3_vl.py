@@ -8,6 +8,12 @@ to the hidden states at those same positions after decoder layer k, for k < len(
 the Qwen3 blocks, the shared tower and models/mrope.py, and keeps only what is Qwen3-VL's own: its config keys
 (the release's nested `text_config` with `rope_scaling` + `rope_theta`, or transformers 5's `rope_parameters`),
 the injection, and the checkpoint names (`model.language_model.*`, `model.visual.*`, `lm_head` when untied).
+
+The tower's output may also come precomputed (a LoRA trainer runs the frozen tower once per batch):
+`encode_images` gives the forward's image keywords, `image_embeds` f32[n,D] (the merged patches) and
+`deepstack_embeds` f32[n,K,D] (row k: the K deepstack features of the k-th image token), both indexed by image
+token on axis 0 so a caller pads and gathers them alike; `model(ids, mask, pos, **model.encode_images(px, grid))`
+is `model(ids, mask, pos, px, grid)`.
 """
 
 from __future__ import annotations
@@ -131,15 +137,28 @@ def layer_inputs(config: Qwen3VLConfig, attention_mask, position_ids) -> LayerIn
     return LayerInputs(causal_mask(attention_mask), cos, sin)
 
 
-def add_deepstack(hidden, visual_pos_masks, visual_embeds):
+def add_deepstack(hidden, visual_pos_masks, visual_embeds, check_count: bool = True):
     """f32[B,T,D], bool[B,T], f32[n,D] -> f32[B,T,D]: the n visual rows, in reading order, plus one deepstack
-    feature each (transformers' `_deepstack_process`); every other row unchanged. The counts must agree."""
+    feature each (transformers' `_deepstack_process`); every other row unchanged. The counts must agree
+    (check_count=False: visual_embeds may carry rows past them, never read)."""
     n = int(visual_pos_masks.sum())
-    if n != visual_embeds.shape[0]:
+    if check_count and n != visual_embeds.shape[0]:
         raise ValueError(f"deepstack features and image tokens do not match: {n} tokens, "
                          f"{visual_embeds.shape[0]} features")
-    added = torch.zeros_like(hidden).masked_scatter(visual_pos_masks[..., None], visual_embeds.to(hidden.dtype))
+    added = torch.zeros_like(hidden).masked_scatter(visual_pos_masks[..., None], visual_embeds[:n].to(hidden.dtype))
     return hidden + added  # x + 0 = x exactly off the image rows
+
+
+def _stacked(deepstack, merged):  # [f32[n,D]] * K, f32[n,D] -> f32[n,K,D]
+    """The tower's deepstack features with the image token first (padded and gathered alike with image_embeds)."""
+    return torch.stack(deepstack, dim=1) if deepstack else merged.new_zeros(merged.shape[0], 0, merged.shape[1])
+
+
+def _check_image_keywords(image_embeds, deepstack_embeds):
+    """Qwen3-VL's image rows need both parts: merged patches without their deepstack features (or the reverse)
+    would run a different model silently."""
+    if (image_embeds is None) != (deepstack_embeds is None):
+        raise ValueError("Qwen3-VL takes image_embeds and deepstack_embeds together (encode_images gives both)")
 
 
 # ---- modules --------------------------------------------------------------------------------
@@ -155,12 +174,13 @@ class Qwen3VLTextModel(nn.Module):
         self.layers = nn.ModuleList(Qwen3DecoderLayer(t) for _ in range(t.num_hidden_layers))
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
 
-    def forward(self, embeds, inputs: LayerInputs, visual_pos_masks=None, deepstack_visual_embeds=()):
+    def forward(self, embeds, inputs: LayerInputs, visual_pos_masks=None, deepstack_visual_embeds=(),
+                check_count: bool = True):
         """embeds f32[B,T,D], visual_pos_masks bool[B,T], deepstack_visual_embeds [f32[n,D]] -> f32[B,T,D]."""
         for k, layer in enumerate(self.layers):
             embeds = layer(embeds, inputs)
             if k < len(deepstack_visual_embeds):
-                embeds = add_deepstack(embeds, visual_pos_masks, deepstack_visual_embeds[k])
+                embeds = add_deepstack(embeds, visual_pos_masks, deepstack_visual_embeds[k], check_count)
         return self.norm(embeds)
 
 
@@ -173,16 +193,26 @@ class Qwen3VLModel(nn.Module):
         self.visual = Qwen3VisionTransformer(config.vision)
         self.language_model = Qwen3VLTextModel(config)
 
-    def forward(self, input_ids, attention_mask, position_ids, pixel_values=None, image_grid_thw=None):
-        """i64[B,T], i64[B,T], i64[3,B,T], f32[P, C*2*16*16], i64[I,3] -> the final hidden states f32[B,T,D]."""
+    def encode_images(self, pixel_values, image_grid_thw):
+        """f32[P, C*2*16*16], i64[I,3] -> {image_embeds f32[P/4,D], deepstack_embeds f32[P/4,K,D]}."""
+        merged, deepstack = self.visual(pixel_values, image_grid_thw)
+        return {"image_embeds": merged, "deepstack_embeds": _stacked(deepstack, merged)}
+
+    def forward(self, input_ids, attention_mask, position_ids, pixel_values=None, image_grid_thw=None,
+                image_embeds=None, deepstack_embeds=None):
+        """i64[B,T], i64[B,T], i64[3,B,T], f32[P, C*2*16*16], i64[I,3] (or encode_images' two tensors) -> the final
+        hidden states f32[B,T,D]."""
         c = self.config
+        if pixel_values is not None:
+            features = self.encode_images(pixel_values, image_grid_thw)
+            image_embeds, deepstack_embeds = features["image_embeds"], features["deepstack_embeds"]
+        _check_image_keywords(image_embeds, deepstack_embeds)
         inputs = layer_inputs(c, attention_mask, position_ids)
         embeds = self.language_model.embed_tokens(input_ids)
-        if pixel_values is None:
+        if image_embeds is None:
             return self.language_model(embeds, inputs)
-        image_embeds, deepstack = self.visual(pixel_values, image_grid_thw)
         embeds = merge_image_embeddings(embeds, input_ids, image_embeds, c.image_token_id)
-        return self.language_model(embeds, inputs, input_ids == c.image_token_id, deepstack)
+        return self.language_model(embeds, inputs, input_ids == c.image_token_id, deepstack_embeds.unbind(1))
 
 
 class Qwen3VLForConditionalGeneration(nn.Module):
@@ -202,16 +232,26 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         return mrope.get_rope_index(input_ids, image_grid_thw, attention_mask, mm_token_type_ids=types,
                                     spatial_merge_size=c.vision.spatial_merge_size)
 
+    def embed(self, input_ids):  # i64[B,T] -> f32[B,T,D]: the token embeddings (text only)
+        return self.model.language_model.embed_tokens(input_ids)
+
+    def encode_images(self, pixel_values, image_grid_thw):
+        """The forward's image keywords: {image_embeds f32[n,D], deepstack_embeds f32[n,K,D]}, the tower's output
+        (frozen under LoRA, so a trainer may compute it once per batch)."""
+        return self.model.encode_images(pixel_values, image_grid_thw)
+
     def forward(self, input_ids, attention_mask=None, position_ids=None, pixel_values=None, image_grid_thw=None,
-                return_hidden: bool = False):
+                return_hidden: bool = False, image_embeds=None, deepstack_embeds=None):
         """input_ids i64[B,T], attention_mask i64[B,T], position_ids i64[3,B,T] (None: the rope index of the
         batch, as LLaMA-Factory's collator computes it), pixel_values f32[P, C*2*16*16], image_grid_thw
-        i64[I,3] -> logits f32[B,T,V] (and the final hidden states with return_hidden)."""
+        i64[I,3] (or image_embeds f32[n,D] and deepstack_embeds f32[n,K,D], encode_images' output) -> logits
+        f32[B,T,V] (and the final hidden states with return_hidden)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if position_ids is None:
             position_ids, _ = self.rope_index(input_ids, image_grid_thw, attention_mask)
-        hidden = self.model(input_ids, attention_mask, position_ids, pixel_values, image_grid_thw)
+        hidden = self.model(input_ids, attention_mask, position_ids, pixel_values, image_grid_thw, image_embeds,
+                            deepstack_embeds)
         logits = self.lm_head(hidden)
         return (logits, hidden) if return_hidden else logits
 

@@ -22,11 +22,13 @@ generation gets only input_ids and attention_mask, so the images never reach the
 PPO with the multimodal collator's inputs passed where a VL model needs them:
 - prompts collated by PromptDataCollator(pad, mm=MultimodalContext(template.mm_plugin, tokenizer, media_dir,
   model.rope_index)): pixel_values, image_grid_thw, the prompt's M-RoPE position_ids and rope_deltas;
-- the frozen tower runs once per step batch (encode_images); its merged embeddings are kept per token
-  (`token_embeds` f32[B,T,D], read at the image tokens only);
+- the frozen tower runs once per step batch (encode_images); its image features (the merged patches, and
+  Qwen3-VL's DeepStack features) are kept per token (`token_<keyword>` f32[B,T,...], read at the image tokens
+  only);
 - generation merges them at the prompt's image tokens; positions: the prompt's from the rope index, each new
   token's its text position (mask cumsum - 1) + the row's rope_delta on all three rows (mrope.decode_positions),
-  as transformers' generate does; a generated image-pad token is embedded as text, as generate's decode steps do;
+  as transformers' generate does; a generated image-pad token is embedded as text (no DeepStack), as generate's
+  decode steps do;
 - TRL's batched forward pass (policy, reference) sees the same images at the query's image tokens and the
   positions of query + response: the query's own, then text continuing after its last position (the rope index
   of the concatenated row, computed from its parts: a response token that happens to be the image-pad id stays
@@ -224,9 +226,10 @@ class CausalLMWithValueHead(nn.Module):
         self.pretrained_model = pretrained_model
         self.v_head = ValueHead(pretrained_model.config.hidden_size, dropout)
 
-    def forward(self, input_ids, attention_mask, position_ids=None, image_embeds=None):  # -> f32[B,T,V], f32[B,T]
-        extra = {} if image_embeds is None else {"image_embeds": image_embeds}  # a VL model's merged patches
-        logits, hidden = self.pretrained_model(input_ids, attention_mask, position_ids, return_hidden=True, **extra)
+    def forward(self, input_ids, attention_mask, position_ids=None, **image_features):  # -> f32[B,T,V], f32[B,T]
+        """image_features: a VL model's image keywords (image_embeds, and Qwen3-VL's deepstack_embeds)."""
+        logits, hidden = self.pretrained_model(input_ids, attention_mask, position_ids, return_hidden=True,
+                                               **image_features)
         return logits.float(), self.v_head(hidden)
 
 
@@ -301,30 +304,48 @@ def sample_next_tokens(logits: torch.Tensor, noise: torch.Tensor, args: PPOArgs)
     return (probs / noise).argmax(dim=-1)
 
 
-def _image_token_text_embedding(model: CausalLMWithValueHead) -> torch.Tensor:  # -> f32[D]
-    """The image-pad token's own (text) embedding: what a generated image-pad token is embedded as."""
+_TOKEN = "token_"  # a VL batch's per-token image features: token_<keyword> f32[B,T,...]
+
+
+def _token_features(inputs: dict) -> dict:  # -> {keyword: f32[B,T,...]}
+    return {k[len(_TOKEN):]: v for k, v in inputs.items() if k.startswith(_TOKEN)}
+
+
+def _encode_images(lm, pixel_values, image_grid_thw) -> dict[str, torch.Tensor]:
+    """The tower's output as the forward's image keywords: a family's dict (Qwen3-VL: image_embeds f32[n,D],
+    deepstack_embeds f32[n,K,D]), or its merged patches alone (image_embeds)."""
+    encoded = lm.encode_images(pixel_values, image_grid_thw)
+    return {k: v.float() for k, v in (encoded if isinstance(encoded, dict) else {"image_embeds": encoded}).items()}
+
+
+def _text_features(model: CausalLMWithValueHead, features: dict) -> dict:  # -> {keyword: f32[...]}
+    """What a generated image-pad token carries: it is text (as generate's decode steps embed it), so its merged
+    patch is the token's own text embedding and an added feature (DeepStack's) is zero (x + 0 = x)."""
     lm = model.pretrained_model
-    return lm.model.embed_tokens.weight[lm.config.image_token_id].detach()
+    text = lm.embed(torch.tensor([[lm.config.image_token_id]]))[0, 0].detach()
+    return {k: text if k == "image_embeds" else torch.zeros(v.shape[2:]) for k, v in features.items()}
 
 
 @torch.no_grad()
 def prompt_vision(model: CausalLMWithValueHead, batch: dict) -> dict | None:
-    """A collated VL prompt batch -> {position_ids i64[3,B,P], rope_deltas i64[B,1], token_embeds f32[B,P,D]: the
-    tower's merged embeddings at the image tokens (reading order), 0 elsewhere}; None for a text batch."""
+    """A collated VL prompt batch -> {position_ids i64[3,B,P], rope_deltas i64[B,1], token_<keyword> f32[B,P,...]:
+    the tower's image features at the image tokens (reading order), 0 elsewhere}; None for a text batch."""
     if "pixel_values" not in batch:
         return None
     lm = model.pretrained_model
-    embeds = lm.encode_images(batch["pixel_values"], batch["image_grid_thw"]).float()
     ids = batch["input_ids"]
-    token_embeds = torch.zeros(*ids.shape, embeds.shape[-1])
-    token_embeds[ids == lm.config.image_token_id] = embeds
-    return {"position_ids": batch["position_ids"].long(), "rope_deltas": batch["rope_deltas"].long(),
-            "token_embeds": token_embeds}
+    at_images = ids == lm.config.image_token_id
+    per_token = {}
+    for k, rows in _encode_images(lm, batch["pixel_values"], batch["image_grid_thw"]).items():
+        per_token[_TOKEN + k] = torch.zeros(*ids.shape, *rows.shape[1:])
+        per_token[_TOKEN + k][at_images] = rows
+    return {"position_ids": batch["position_ids"].long(), "rope_deltas": batch["rope_deltas"].long(), **per_token}
 
 
-def _image_embeds(model: CausalLMWithValueHead, input_ids, token_embeds) -> torch.Tensor:  # -> f32[n,D]
-    """The forward's image_embeds: the per-token embeddings at the image tokens, in reading order."""
-    return token_embeds[input_ids == model.pretrained_model.config.image_token_id]
+def _image_inputs(model: CausalLMWithValueHead, input_ids, features: dict) -> dict:  # -> {keyword: f32[n,...]}
+    """The forward's image keywords: the per-token features at the image tokens, in reading order."""
+    at_images = input_ids == model.pretrained_model.config.image_token_id
+    return {k: v[at_images] for k, v in features.items()}
 
 
 @torch.no_grad()
@@ -335,6 +356,9 @@ def generate(model: CausalLMWithValueHead, input_ids, attention_mask, noise, arg
     vision (prompt_vision's, these rows): the prompt's image embeddings and M-RoPE positions; new tokens at
     their text position + the row's rope delta (mrope.decode_positions), embedded as text."""
     ids, mask = input_ids.long(), attention_mask.long()
+    if vision is not None:
+        prompt_features = _token_features(vision)
+        text = _text_features(model, prompt_features)
     finished = torch.zeros(ids.shape[0], dtype=torch.bool)
     eos = torch.tensor(list(eos_token_ids))
     out = []
@@ -345,10 +369,10 @@ def generate(model: CausalLMWithValueHead, input_ids, attention_mask, noise, arg
         else:
             new_positions = mrope.decode_positions(mask, vision["rope_deltas"])[..., input_ids.shape[1]:]
             position_ids = torch.cat([vision["position_ids"], new_positions], dim=-1)
-            text = _image_token_text_embedding(model).expand(ids.shape[0], t, -1)
-            token_embeds = torch.cat([vision["token_embeds"], text], dim=1)
+            features = {k: torch.cat([v, text[k].expand(ids.shape[0], t, *text[k].shape)], dim=1)
+                        for k, v in prompt_features.items()}
             logits = model.pretrained_model(ids, mask, position_ids,
-                                            image_embeds=_image_embeds(model, ids, token_embeds))[:, -1].float()
+                                            **_image_inputs(model, ids, features))[:, -1].float()
         token = sample_next_tokens(logits, torch.as_tensor(np.asarray(noise[:, t])), args)
         token = torch.where(finished, torch.full_like(token, pad_token_id), token)
         finished |= torch.isin(token, eos)
@@ -379,9 +403,10 @@ def trim_rollouts(query_ids, response_ids, pad_token_id: int, eos_token_id: int,
 
 def prepare_model_inputs(queries, responses, pad_token_id: int, vision: dict | None = None) -> dict[str, torch.Tensor]:
     """TRL prepare_model_inputs with LF's collator on the right: query + response, right-padded to the longest.
-    vision (rollout's, per row: the query's positions i64[3,q], token embeddings f32[q,D], rope delta, and the
-    image-pad text embedding) adds row_positions i64[B,3,L] (the query's, then text: column j at j + delta; pads
-    0) and token_embeds f32[B,L,D] (the query's; the image-pad text embedding on the response)."""
+    vision (rollout's, per row: the query's positions i64[3,q], per-token image features token_<keyword>
+    f32[q,...], rope delta; and the image-pad token's text features) adds row_positions i64[B,3,L] (the query's,
+    then text: column j at j + delta; pads 0) and the per-token features f32[B,L,...] (the query's; the text
+    features on the response)."""
     rows = [torch.cat([q, r]) for q, r in zip(queries, responses)]
     length = max(len(x) for x in rows)
     input_ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
@@ -392,15 +417,16 @@ def prepare_model_inputs(queries, responses, pad_token_id: int, vision: dict | N
     out = {"input_ids": input_ids, "attention_mask": attention_mask}
     if vision is None:
         return out
-    D = vision["text_embedding"].shape[-1]
+    text = vision["text_features"]
     positions = torch.zeros((len(rows), 3, length), dtype=torch.long)
-    token_embeds = torch.zeros((len(rows), length, D))
+    features = {k: torch.zeros((len(rows), length, *v.shape)) for k, v in text.items()}
     for i, (q, x) in enumerate(zip(queries, rows)):
         positions[i, :, :len(q)] = vision["positions"][i]
         positions[i, :, len(q):len(x)] = torch.arange(len(q), len(x)) + vision["rope_deltas"][i]
-        token_embeds[i, :len(q)] = vision["token_embeds"][i]
-        token_embeds[i, len(q):] = vision["text_embedding"]
-    return {**out, "row_positions": positions, "token_embeds": token_embeds}
+        for k, v in features.items():
+            v[i, :len(q)] = vision[_TOKEN + k][i]
+            v[i, len(q):] = text[k]
+    return {**out, "row_positions": positions, **{_TOKEN + k: v for k, v in features.items()}}
 
 
 @torch.no_grad()
@@ -427,10 +453,11 @@ def batched_forward_pass(model: CausalLMWithValueHead, queries, responses, model
     for s in range(0, len(queries), mini_batch_size):
         input_ids = model_inputs["input_ids"][s:s + mini_batch_size]
         attention_mask = model_inputs["attention_mask"][s:s + mini_batch_size]
-        if "row_positions" in model_inputs:  # a VL batch: its M-RoPE positions and image embeddings
+        if "row_positions" in model_inputs:  # a VL batch: its M-RoPE positions and image features
+            features = {k: v[s:s + mini_batch_size] for k, v in _token_features(model_inputs).items()}
             logits, values = model(input_ids, attention_mask,
                                    model_inputs["row_positions"][s:s + mini_batch_size].transpose(0, 1),
-                                   _image_embeds(model, input_ids, model_inputs["token_embeds"][s:s + mini_batch_size]))
+                                   **_image_inputs(model, input_ids, features))
         else:
             logits, values = model(input_ids, attention_mask)
         logprobs = logprobs_from_logits(logits[:, :-1, :], input_ids[:, 1:])
@@ -569,13 +596,13 @@ def _trainable(model):
     return [p for p in model.parameters() if p.requires_grad]
 
 
-_MODEL_INPUTS = ("input_ids", "attention_mask", "row_positions", "token_embeds")  # the last two: a VL batch's
+_MODEL_INPUTS = ("input_ids", "attention_mask", "row_positions")  # the last: a VL batch's, with its token_ features
 
 
 def _minibatch_loss(model, mb: dict, args: PPOArgs):
     """One mini-batch's forward (with grads) and TRL loss -> (loss_p + loss_v, stats)."""
-    logprobs, logits, vpreds, _ = batched_forward_pass(model, mb["queries"], mb["responses"],
-                                                       {k: mb[k] for k in _MODEL_INPUTS if k in mb},
+    inputs = {k: v for k, v in mb.items() if k in _MODEL_INPUTS or k.startswith(_TOKEN)}
+    logprobs, logits, vpreds, _ = batched_forward_pass(model, mb["queries"], mb["responses"], inputs,
                                                        args.mini_batch_size, return_logits=True)
     loss_p, loss_v, stats = ppo_loss(mb["logprobs"], mb["values"], logits, vpreds, logprobs, mb["masks"],
                                      mb["advantages"], mb["returns"], args)
@@ -672,12 +699,13 @@ def rollout(model, reward_model, prompt_features: list[dict], args: PPOArgs, eos
     score -> (queries, responses, scores f32[B]). Mini-batch m draws rollout_noise(seed, step, m), unless
     `noise` (f32[B, N, V]) is given. With `mm` (a VL template's collator context) the prompts bring their
     images and M-RoPE positions, and a fourth item comes back: the rows' vision inputs for ppo_step (per row
-    the query's positions, token embeddings and rope delta; the image-pad text embedding)."""
+    the query's positions, per-token image features and rope delta; the image-pad token's text features)."""
     collate = PromptDataCollator(pad_token_id, mm=mm)
     batch = collate(prompt_features)
     model.eval()
     vision = prompt_vision(model, batch)
-    rows = {"positions": [], "token_embeds": [], "rope_deltas": []}
+    features = [] if vision is None else list(_token_features(vision))
+    rows = {"positions": [], "rope_deltas": [], **{_TOKEN + k: [] for k in features}}
     queries, responses, scores = [], [], []
     for m, s in enumerate(range(0, len(prompt_features), args.mini_batch_size)):
         rows_mb = slice(s, s + args.mini_batch_size)
@@ -689,20 +717,22 @@ def rollout(model, reward_model, prompt_features: list[dict], args: PPOArgs, eos
             q, r = trim_rollouts(ids, out, pad_token_id, eos_token_ids[0])
         else:
             v = {"position_ids": vision["position_ids"][:, rows_mb], "rope_deltas": vision["rope_deltas"][rows_mb],
-                 "token_embeds": vision["token_embeds"][rows_mb]}
+                 **{_TOKEN + k: vision[_TOKEN + k][rows_mb] for k in features}}
             out = generate(model, ids, mask, q_noise, args, eos_token_ids, pad_token_id, v)
             q, r = trim_rollouts(ids, out, pad_token_id, eos_token_ids[0], mask)
             for i, query in enumerate(q):
                 start = ids.shape[1] - len(query)
                 rows["positions"].append(v["position_ids"][:, i, start:])
-                rows["token_embeds"].append(v["token_embeds"][i, start:])
+                for k in features:
+                    rows[_TOKEN + k].append(v[_TOKEN + k][i, start:])
                 rows["rope_deltas"].append(int(v["rope_deltas"][i, 0]))
         queries += q
         responses += r
         scores.append(get_rewards(reward_model, q, r, pad_token_id))
     if vision is None:
         return queries, responses, torch.cat(scores)
-    return queries, responses, torch.cat(scores), {**rows, "text_embedding": _image_token_text_embedding(model)}
+    return queries, responses, torch.cat(scores), {**rows, "text_features": _text_features(model,
+                                                                                            _token_features(vision))}
 
 
 def _padded_responses(responses, width: int) -> np.ndarray:
