@@ -17,7 +17,7 @@ __all__ = ["SAMPLED", "FINISH_CODES", "TOP_LOGPROBS", "sampled_params", "branch_
            "FIXED_STEPS_VARIANT", "FIXED_STEPS_OPTIONS", "DPO_FIXED_STEPS_OPTIONS", "DATA_VARIANTS", "data_fields", "tied_checkpoint",
            "fixed_step_runs", "TIE_METRICS", "WIDTH_METRICS", "width_dependent_metrics", "rewarded_steps", "dpo_trajectory_outputs", "dpo_eval_outputs",
            "PPO_FIXED_STEPS_OPTIONS", "PPO_TIE_STATS", "PPO_NOISE_STATS", "PPO_MOVED_STATS", "moved_steps", "ppo_stats_outputs", "ppo_fixed_step_runs", "ppo_fixed_step_outputs", "prompt_rows", "prompt_features",
-           "ROLLOUT_SAMPLING_OPTIONS", "GAE_OPTIONS", "KL_COEFS", "KL_CONTROLLER_KLS", "layer_positions", "tower_outputs"]
+           "ROLLOUT_SAMPLING_OPTIONS", "GAE_OPTIONS", "KL_COEFS", "KL_CONTROLLER_KLS", "layer_positions", "tower_outputs", "collate_outputs"]
 
 # The L5 sampled workload: every optional stage of the sampler at once.
 SAMPLED = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.1)
@@ -123,6 +123,21 @@ def tower_outputs(encoded, to_numpy) -> dict[str, np.ndarray]:
     out = {"embeds": np.asarray(to_numpy(embeds), np.float32)}
     if deepstack is not None:
         out["deepstack"] = np.asarray(to_numpy(deepstack), np.float32)
+    return out
+
+
+COLLATED = ("input_ids", "attention_mask", "labels", "position_ids")  # what the collate checks compare
+
+
+def collate_outputs(features, collate, rows: list[dict], to_numpy) -> dict[str, np.ndarray]:
+    """The collate checks' outputs: the first four rows collated; with images (data:images) also the first two rows
+    that hold none, which LF's collator gives its fake image (the only batch where it shows)."""
+    def fields(batch, prefix=""):
+        return {prefix + k: np.asarray(to_numpy(batch[k])).astype(np.int64) for k in COLLATED if k in batch}
+
+    out = fields(collate(rows[:4]))
+    if "data:images" in features:
+        out |= fields(collate([r for r in rows if not r.get("images")][:2]), "imageless.")
     return out
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from catalog.layout import layout_arrays
 from catalog.family import language_model, model_class_name
-from catalog.workloads import FIXED_STEPS_OPTIONS, data_fields, fixed_step_runs, tied_checkpoint
+from catalog.workloads import FIXED_STEPS_OPTIONS, collate_outputs, data_fields, fixed_step_runs, tied_checkpoint
 from grader.probes.common import run_probes
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -254,9 +254,7 @@ def probe_data_labels(ctx, inp):
 
 
 def probe_collate(ctx, inp):
-    batch = ctx.collator()(_processed(ctx)[:4])
-    return {k: np.asarray(batch[k]).astype(np.int64) for k in ("input_ids", "attention_mask", "labels", "position_ids")
-            if k in batch}
+    return collate_outputs(ctx.features, ctx.collator(), _processed(ctx), np.asarray)
 
 
 # ---- L2 / L3 -----------------------------------------------------------------------------------

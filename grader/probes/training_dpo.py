@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from catalog.workloads import DPO_FIXED_STEPS_OPTIONS, dpo_eval_outputs, dpo_trajectory_outputs, fixed_step_runs, metric_key, pad_rows, width_dependent_metrics
+from catalog.workloads import DPO_FIXED_STEPS_OPTIONS, collate_outputs, dpo_eval_outputs, dpo_trajectory_outputs, fixed_step_runs, metric_key, pad_rows, width_dependent_metrics
 from grader.probes.training import _lora_from_inputs, _unflatten_steps, n
 
 FIELDS = ("input_ids", "attention_mask", "labels")
@@ -39,8 +39,7 @@ def _collator(ctx):
 
 
 def probe_pairwise_collate(ctx, inp):
-    batch = _collator(ctx)(_pairs(ctx)[:4])
-    return {k: np.asarray(batch[k]).astype(np.int64) for k in (*FIELDS, "position_ids") if k in batch}
+    return collate_outputs(ctx.features, _collator(ctx), _pairs(ctx), np.asarray)
 
 
 # ---- L3 / L4 -----------------------------------------------------------------------------------

@@ -50,8 +50,10 @@ def probe_mrope(ctx, inp):
     ids, grid, mask = (np.asarray(inp[k]) for k in ("input_ids", "image_grid_thw", "attention_mask"))
     pos, deltas = ctx.model_class(ctx.config).rope_index(ids, grid, mask)
     inputs = ctx.family.layer_inputs(ctx.config, jnp.asarray(mask), jnp.asarray(pos))
+    rows = np.asarray(inp["position_rows"])
+    spread = ctx.family.layer_inputs(ctx.config, jnp.ones_like(jnp.asarray(mask)), jnp.asarray(rows))
     return {"position_ids": np.asarray(pos).astype(np.float32), "rope_deltas": np.asarray(deltas).astype(np.float32),
-            "cos": n(inputs.cos), "sin": n(inputs.sin)}
+            "cos": n(inputs.cos), "sin": n(inputs.sin), "cos_rows": n(spread.cos), "sin_rows": n(spread.sin)}
 
 
 def _visual(ctx):

@@ -24,7 +24,8 @@ from catalog.heldout import eval_loss
 from catalog.layout import layout_arrays
 from catalog.provenance import ROOT, checkpoint_dir
 from catalog.family import language_model, mirrored_modules, model_class_name
-from catalog.workloads import FIXED_STEPS_OPTIONS, data_fields, fixed_step_runs, layer_positions, tied_checkpoint
+from catalog.workloads import (FIXED_STEPS_OPTIONS, collate_outputs, data_fields, fixed_step_runs, layer_positions,
+                               tied_checkpoint)
 from recorder.probes import run_probes
 from torch_sources.models.loading import tensor_index
 
@@ -318,9 +319,7 @@ def probe_data_labels(ctx):
 
 def probe_collate(ctx):
     ds = _processed(ctx)
-    batch = ctx.collator()(ds[:4])
-    return {}, {k: n(batch[k]).astype(np.int64) for k in ("input_ids", "attention_mask", "labels", "position_ids")
-                if k in batch}
+    return {}, collate_outputs(ctx.features, ctx.collator(), ds, n)
 
 
 # ---- L2 / L3 -----------------------------------------------------------------------------------

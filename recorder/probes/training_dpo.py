@@ -9,7 +9,7 @@ import torch
 
 from catalog.heldout import preference_metrics
 from catalog.provenance import ROOT
-from catalog.workloads import DPO_FIXED_STEPS_OPTIONS, dpo_eval_outputs, dpo_trajectory_outputs, fixed_step_runs, metric_key, pad_rows, rewarded_steps, width_dependent_metrics
+from catalog.workloads import DPO_FIXED_STEPS_OPTIONS, collate_outputs, dpo_eval_outputs, dpo_trajectory_outputs, fixed_step_runs, metric_key, pad_rows, rewarded_steps, width_dependent_metrics
 from recorder.probes.training import _flatten_steps, _lora_init, batch_arrays, n, rng_for, t
 
 ADAPTER_SCALE = 0.05  # lora_B of the step-0 checks: a policy that differs from the reference
@@ -43,9 +43,7 @@ def probe_pairwise_labels(ctx):
 
 
 def probe_pairwise_collate(ctx):
-    batch = _collator(ctx)(_pairs(ctx)[:4])
-    return {}, {k: n(batch[k]).astype(np.int64) for k in ("input_ids", "attention_mask", "labels", "position_ids")
-                if k in batch}
+    return {}, collate_outputs(ctx.features, _collator(ctx), _pairs(ctx), n)
 
 
 # ---- L3 / L4 -----------------------------------------------------------------------------------

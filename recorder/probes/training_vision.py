@@ -108,9 +108,13 @@ def probe_mrope(ctx):
     ids, grid, mask = _mrope_case(ctx)
     pos, deltas = ctx.model.rope_index(t(ids), t(grid), t(mask))
     inputs = ctx.family.layer_inputs(ctx.config, t(mask), pos)
-    return {"input_ids": ids, "image_grid_thw": grid, "attention_mask": mask}, {
+    # three independent position rows at every token, so that each frequency pair's row shows (in the case
+    # above only the image tokens' rows differ)
+    rows = rng_for("mrope_rows").integers(0, 64, (3, *ids.shape)).astype(np.int64)
+    spread = ctx.family.layer_inputs(ctx.config, t(np.ones_like(mask)), t(rows))
+    return {"input_ids": ids, "image_grid_thw": grid, "attention_mask": mask, "position_rows": rows}, {
         "position_ids": n(pos).astype(np.float32), "rope_deltas": n(deltas).astype(np.float32),
-        "cos": n(inputs.cos), "sin": n(inputs.sin)}
+        "cos": n(inputs.cos), "sin": n(inputs.sin), "cos_rows": n(spread.cos), "sin_rows": n(spread.sin)}
 
 
 def _patches(ctx, name, grid=VISION_GRIDS[:2]):
