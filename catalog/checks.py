@@ -89,6 +89,9 @@ _TRAINING_CHECKS = (
        ALL, ("vision:qwen",)),
     _c("L2", "vision_merger", "numeric", "tensor", "the tower's patch merger (norm, 2x2 neighbours, MLP)", ALL,
        ("vision:qwen",)),
+    _c("L2", "deepstack", "numeric", "tensor",
+       "DeepStack's injection: merged features added to the image tokens' hidden states, in reading order, every "
+       "other row unchanged", ALL, ("vision:deepstack",)),
     _c("L2", "vision_tower", "numeric", "tensor",
        "the whole tower on two shipped images' pixel values: merged embeddings (and deepstack features)", ALL,
        ("vision:qwen",)),

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["SMALL_FAMILIES", "SMALL_VOCAB", "small_overrides", "SMALL_SEQ_LEN", "SMALL_SHARD_BYTES",
+__all__ = ["SMALL_FAMILIES", "SMALL_VOCAB", "small_overrides", "text_keys", "SMALL_SEQ_LEN", "SMALL_SHARD_BYTES",
            "tiny_config", "small_config", "small_shapes", "param_count", "make_small", "small_checkpoint_dir",
            "ensure_small"]
 
@@ -81,7 +81,7 @@ def _family_rows(family: str) -> tuple[dict, tuple[str, ...]]:
     if not hasattr(mod, "SMALL_OVERRIDES"):
         raise ValueError(f"tools/checkpoints_{family}.py has no SMALL_OVERRIDES: the family has no small scale")
     overrides = {**SMALL_BASES[getattr(mod, "SMALL_BASE", None)], **mod.SMALL_OVERRIDES}
-    if overrides.get("vocab_size") != SMALL_VOCAB:
+    if text_keys(overrides).get("vocab_size") != SMALL_VOCAB:
         raise ValueError(f"tools/checkpoints_{family}.py: SMALL_OVERRIDES vocab_size must be {SMALL_VOCAB}")
     return overrides, tuple(getattr(mod, "SMALL_WIDE_STDS", ()))
 
@@ -112,8 +112,14 @@ def small_config(family: str) -> dict:
     return {**tiny_config(family), **copy.deepcopy(_family_rows(family)[0])}
 
 
+def text_keys(config: dict) -> dict:
+    """A config's language-model keys at one level: a release that nests them (Qwen3-VL's text_config) flattened,
+    the text keys winning; any other config as it is."""
+    return {**config, **config.get("text_config", {})}
+
+
 def _width_factor(family: str) -> float:
-    tiny, small = tiny_config(family)["hidden_size"], small_config(family)["hidden_size"]
+    tiny, small = text_keys(tiny_config(family))["hidden_size"], text_keys(small_config(family))["hidden_size"]
     return math.sqrt(tiny / small)
 
 

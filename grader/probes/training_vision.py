@@ -87,6 +87,12 @@ def probe_vision_merger(ctx, inp):
     return {"out": n(merger.apply({"params": _visual(ctx)["merger"]}, jnp.asarray(inp["x"])))}
 
 
+def probe_deepstack(ctx, inp):
+    out = ctx.family.add_deepstack(jnp.asarray(inp["hidden"]), jnp.asarray(inp["visual_pos_masks"]),
+                                   jnp.asarray(inp["features"]))
+    return {"out": n(out)}
+
+
 def probe_vision_tower(ctx, inp):
     model = ctx.model_class(ctx.config)
     out = model.apply({"params": ctx.params}, jnp.asarray(inp["pixel_values"]), np.asarray(inp["image_grid_thw"]),
@@ -123,4 +129,4 @@ def probe_pixel_grad(ctx, inp):
 PROBES = {"image_regularize": probe_image_regularize, "image_processor": probe_image_processor,
           "vision_rope": probe_vision_rope, "mrope": probe_mrope, "patch_embed": probe_patch_embed,
           "vision_block": probe_vision_block, "vision_merger": probe_vision_merger,
-          "vision_tower": probe_vision_tower, "logits_images": probe_logits_images, "pixel_grad": probe_pixel_grad}
+          "deepstack": probe_deepstack, "vision_tower": probe_vision_tower, "logits_images": probe_logits_images, "pixel_grad": probe_pixel_grad}

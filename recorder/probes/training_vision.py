@@ -148,6 +148,17 @@ def probe_vision_merger(ctx):
     return {"x": x}, {"out": n(_visual(ctx).merger(t(x)))}
 
 
+def probe_deepstack(ctx):
+    """add_deepstack on random hidden states: two rows, image positions scattered (row 1 holds more of them)."""
+    r = rng_for("deepstack")
+    hidden = r.standard_normal((2, 9, ctx.config.hidden_size)).astype(np.float32)
+    mask = np.zeros((2, 9), bool)
+    mask[0, [2, 3]], mask[1, [1, 4, 5, 6]] = True, True
+    feats = r.standard_normal((int(mask.sum()), ctx.config.hidden_size)).astype(np.float32)
+    return {"hidden": hidden, "visual_pos_masks": mask, "features": feats}, {
+        "out": n(ctx.family.add_deepstack(t(hidden), t(mask), t(feats)))}
+
+
 def probe_vision_tower(ctx):
     """The whole tower (patch embed, blocks, merger; Qwen3-VL: its deepstack features too) on the processed
     pixels of two shipped images."""
@@ -204,4 +215,4 @@ def probe_pixel_grad(ctx):
 
 PROBES = {"image_regularize": probe_image_regularize, "image_processor": probe_image_processor, "vision_rope": probe_vision_rope, "mrope": probe_mrope,
           "patch_embed": probe_patch_embed, "vision_block": probe_vision_block, "vision_merger": probe_vision_merger,
-          "vision_tower": probe_vision_tower, "logits_images": probe_logits_images, "pixel_grad": probe_pixel_grad}
+          "deepstack": probe_deepstack, "vision_tower": probe_vision_tower, "logits_images": probe_logits_images, "pixel_grad": probe_pixel_grad}

@@ -312,7 +312,7 @@ def test_refusals(edit, match):
 
 
 def test_checkpoint_is_reproducible(tmp_path):
-    code = ("import sys; sys.path.insert(0, 'tools'); from vl_checkpoints_qwen3_vl import make_qwen3_vl; "
+    code = ("import sys; sys.path.insert(0, 'tools'); from checkpoints_qwen3_vl import make_qwen3_vl; "
             f"make_qwen3_vl({str(tmp_path)!r})")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
     for name in ("config.json", "generation_config.json", "model.safetensors"):

@@ -83,7 +83,7 @@ def test_transformers_accepts_the_small_config_as_it_does_the_tiny_one(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_small_widths_vocab_and_special_ids(family):
-    cfg = small.small_config(family)
+    cfg = small.text_keys(small.small_config(family))
     assert cfg["vocab_size"] == 32000
     assert 70e6 <= small.param_count(family) <= 170e6, small.param_count(family)
     gen = small._load(small.SOURCES[family][0])
@@ -94,7 +94,7 @@ def test_small_widths_vocab_and_special_ids(family):
     heads = cfg.get("num_attention_heads", cfg.get("n_head"))
     kv = cfg.get("num_key_value_heads", cfg.get("num_kv_heads", heads))
     assert heads % kv == 0
-    tiny = small.tiny_config(family)
+    tiny = small.text_keys(small.tiny_config(family))
     tiny_kv = tiny.get("num_key_value_heads", tiny.get("num_kv_heads"))
     if tiny_kv is not None and tiny_kv < tiny.get("num_attention_heads", 0):
         assert kv < heads, "grouped-query attention kept"
@@ -225,9 +225,10 @@ TORCH_CLASSES = {"llama3": "llama3.LlamaForCausalLM", "llama3-reward": "llama3.L
                  "falcon": "falcon.FalconForCausalLM", "mistral": "mistral.MistralForCausalLM",
                  "qwen2": "qwen2.Qwen2ForCausalLM", "qwen3": "qwen3.Qwen3ForCausalLM", "phi4": "phi4.Phi3ForCausalLM",
                  "starcoder2": "starcoder2.Starcoder2ForCausalLM", "gpt_oss": "gpt_oss.GptOssForCausalLM",
-                 "qwen2_vl": "qwen2_vl.Qwen2VLForConditionalGeneration"}
+                 "qwen2_vl": "qwen2_vl.Qwen2VLForConditionalGeneration",
+                 "qwen3_vl": "qwen3_vl.Qwen3VLForConditionalGeneration"}
 SEQ = 300  # past every sliding window (128, 256)
-VL_FAMILIES = ("qwen2_vl",)  # transformers loads them as image-text-to-text models (text-only logits here)
+VL_FAMILIES = ("qwen2_vl", "qwen3_vl")  # transformers loads them as image-text-to-text models (text-only logits here)
 
 
 @pytest.mark.slow
