@@ -6,7 +6,7 @@ with the release's legacy `model_type: qwen3_vl`, tied embeddings at the top lev
 `model.language_model.*` (the Qwen3 language model, drawn by tools/checkpoints_qwen3.py's generator and re-prefixed)
 and `model.visual.*` (`qwen3_vl_tower_tensors`), no lm_head. deepstack_visual_indexes [0, 1]: both tower blocks
 feed a deepstack merger, whose features join the image rows after both decoder layers. Token ids:
-tools/make_vl_checkpoints.py. `python tools/make_vl_checkpoints.py qwen3_vl` reproduces the files byte for byte.
+tools/make_vl_checkpoints.py. `python tools/make_checkpoints.py qwen3_vl` reproduces the files byte for byte.
 """
 
 from __future__ import annotations
@@ -128,3 +128,16 @@ TOKENIZER = {"specials": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|obje
                           "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>",
                           "</think>"),
              "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+
+# tools/checkpoints_small.py (scale=small): the release nests the text keys, so the small row replaces text_config
+# whole (Qwen3's small widths: hidden 768, 12 layers, GQA 8/4 with head_dim 128 as the 0.6B's; the interleaved M-RoPE
+# sections scaled to its 64 rotary pairs as Qwen3-VL-2B's [24, 20, 20]) and a 4-block tower of width 256 projecting
+# into 768 (deepstack after blocks 0 and 1, a 16x16 position table)
+SMALL_OVERRIDES = {
+    "text_config": {**QWEN3_VL_CONFIG["text_config"], "hidden_size": 768, "intermediate_size": 2048,
+                    "num_hidden_layers": 12, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128,
+                    "vocab_size": 32000, "max_position_embeddings": 2048,
+                    "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"}},
+    "vision_config": {**QWEN3_VL_CONFIG["vision_config"], "depth": 4, "hidden_size": 256, "intermediate_size": 1024,
+                      "num_position_embeddings": 256, "out_hidden_size": 768},
+}
