@@ -8,6 +8,11 @@ evaluate_reward uses). The parent then trims each response by LF's rule and scor
 value head, as every PPO task here uses) that belongs to the grader. The recorder checks that these
 functions, driven by the torch source's forward, give the source's own evaluate_reward.
 
+A vision-language prompt batch (M-RoPE) also hands `decode` its prompt positions: the prompt keeps them and each
+new token sits at its text position + the row's rope delta (transformers' generate, torch_sources'
+mrope.decode_positions); the images are the forward's business. Its queries start at the first attended token
+(the workflow's rule: LF's fake image, masked, stays out of what the reward model scores).
+
 Numpy only: the parent runs the scoring on untrusted token ids, so ids and shapes are checked first.
 """
 from __future__ import annotations
@@ -21,8 +26,8 @@ import numpy as np
 
 from catalog.heldout import HeldoutError, REWARD_KEY
 
-__all__ = ["REWARD_KEY", "EVAL_STREAM", "eval_noise", "warp_probs", "decode", "trim_rollouts", "RewardModel",
-           "heldout_reward"]
+__all__ = ["REWARD_KEY", "EVAL_STREAM", "eval_noise", "warp_probs", "rope_deltas", "decode", "trim_rollouts",
+           "RewardModel", "heldout_reward"]
 
 EVAL_STREAM = 4  # np.random.default_rng([EVAL_STREAM, sample, batch]): ppo.py's _EVAL stream
 _RESPONSES = re.compile(r"b(\d+)\.s(\d+)\.responses")
@@ -58,20 +63,44 @@ def _draw(logits, noise, finished, gen: dict) -> np.ndarray:
     return np.where(finished, int(gen["pad_token_id"]), np.argmax(probs / noise, axis=-1))
 
 
-def decode(forward, input_ids, attention_mask, noise, gen: dict) -> tuple[np.ndarray, np.ndarray]:
+def rope_deltas(position_ids, attention_mask) -> np.ndarray:
+    """i64[B]: each left-padded M-RoPE prompt row's rope delta (transformers' get_rope_index): its largest attended
+    position (over the three rows) + 1 - its attended count."""
+    positions, mask = np.asarray(position_ids, np.int64), np.asarray(attention_mask) != 0
+    if positions.ndim != 3 or positions.shape[0] != 3 or positions.shape[1:] != mask.shape or not mask.any(-1).all():
+        raise HeldoutError(f"M-RoPE positions {list(positions.shape)} for a prompt mask {list(mask.shape)}: expected "
+                           f"[3, B, P] and an attended token in every row")
+    return np.where(mask[None], positions, np.iinfo(np.int64).min).max(axis=(0, 2)) + 1 - mask.sum(-1)
+
+
+def _positions(mask, prompt_positions, deltas) -> np.ndarray:
+    """The positions of the buffer [B, P + N]: mask cumsum - 1, 1 on pads; an M-RoPE prompt's i64[3,B,P] kept,
+    the new tokens at that text position + the row's delta on all three rows."""
+    text = np.where(mask == 0, 1, np.cumsum(mask, axis=-1) - 1)
+    if prompt_positions is None:
+        return text
+    B, P = prompt_positions.shape[1:]
+    new = np.broadcast_to((text[:, P:] + deltas[:, None])[None], (3, B, text.shape[1] - P))
+    return np.concatenate([prompt_positions, new], axis=2)
+
+
+def decode(forward, input_ids, attention_mask, noise, gen: dict, position_ids=None) -> tuple[np.ndarray, np.ndarray]:
     """(sampled responses i64[B, N], the logits each token was drawn from f32[B, N, V]) from left-padded prompts
     [B, P]: forward(ids, mask, position_ids) -> logits [B, P + N, V] on a fixed buffer (causal: the logits at
     P + t - 1 see only the first P + t tokens); the exponential race argmax(p / noise[:, t]); after a row's
-    eos, pad. Positions: mask cumsum - 1, 1 on pads."""
+    eos, pad. Positions: mask cumsum - 1, 1 on pads; position_ids (an M-RoPE prompt's i[3, B, P]): the prompt's
+    own, then [3, B, P + N] as `_positions` continues them."""
     ids, mask = np.asarray(input_ids, np.int64), np.asarray(attention_mask, np.int64)
     B, P = ids.shape
     N, pad = int(gen["max_new_tokens"]), int(gen["pad_token_id"])
     eos = np.asarray(gen["eos_token_ids"], np.int64)
+    prompt_positions = None if position_ids is None else np.asarray(position_ids, np.int64)
+    deltas = None if position_ids is None else rope_deltas(prompt_positions, mask)
     ids = np.concatenate([ids, np.full((B, N), pad, np.int64)], axis=1)
     mask = np.concatenate([mask, np.zeros((B, N), np.int64)], axis=1)
     finished, steps = np.zeros(B, bool), []
     for t in range(N):
-        position_ids = np.where(mask == 0, 1, np.cumsum(mask, axis=-1) - 1)
+        position_ids = _positions(mask, prompt_positions, deltas)
         steps.append(np.asarray(forward(ids, mask, position_ids), np.float32)[:, P + t - 1])
         token = _draw(steps[-1], noise[:, t], finished, gen)
         finished |= np.isin(token, eos)
@@ -90,12 +119,14 @@ def redraw(logits, noise, gen: dict) -> np.ndarray:
     return np.stack(tokens, axis=1)
 
 
-def trim_rollouts(query_ids, response_ids, pad_token_id: int, eos_token_id: int):
+def trim_rollouts(query_ids, response_ids, pad_token_id: int, eos_token_id: int, attention_mask=None):
     """LF get_inputs: the query without its left pad; the response cut after its last non-pad token (+1 more
-    when pad == eos, keeping the eos), one token when it is all pad."""
+    when pad == eos, keeping the eos), one token when it is all pad. attention_mask (a VL batch's): the query
+    starts at its first attended token."""
     queries, responses = [], []
-    for q, r in zip(np.asarray(query_ids), np.asarray(response_ids)):
-        start = int(np.flatnonzero(q != pad_token_id)[0])
+    starts = None if attention_mask is None else [int(np.flatnonzero(m)[0]) for m in np.asarray(attention_mask)]
+    for i, (q, r) in enumerate(zip(np.asarray(query_ids), np.asarray(response_ids))):
+        start = int(np.flatnonzero(q != pad_token_id)[0]) if starts is None else starts[i]
         kept = np.flatnonzero(r != pad_token_id)
         length = 1 if not len(kept) else int(kept[-1]) + (2 if eos_token_id == pad_token_id else 1)
         queries.append(q[start:])
@@ -181,6 +212,17 @@ class RewardModel:
         return h[np.arange(len(rows)), last] @ self.v_w[0] + self.v_b[0]
 
 
+def _query_mask(recorded: dict, i: int):
+    """The attention mask that starts batch i's queries: a VL batch's (it has pixels: the fake image is masked), else
+    None (the first non-pad token)."""
+    if f"b{i}.pixel_values" not in recorded:
+        return None
+    mask, prompts = np.asarray(recorded[f"b{i}.attention_mask"]), np.asarray(recorded[f"b{i}.input_ids"])
+    if mask.shape != prompts.shape or not (mask != 0).any(-1).all():
+        raise HeldoutError(f"b{i}.attention_mask {list(mask.shape)} for prompts {list(prompts.shape)}")
+    return mask
+
+
 def heldout_reward(recorded: dict, produced: dict, reward_model: RewardModel) -> tuple[dict[str, float], list]:
     """({"reward": mean score over every held-out response}, response shapes) from the recorded prompt batches
     b<i>.input_ids and the child's b<i>.s<k>.responses and .logits (each token's step logits); HeldoutError when
@@ -207,7 +249,8 @@ def heldout_reward(recorded: dict, produced: dict, reward_model: RewardModel) ->
                                    f"[{len(prompts)}, {N}, {vocab}]")
             if not np.array_equal(redraw(x, eval_noise(k, i, x.shape), gen), r):
                 raise HeldoutError(f"b{i}.s{k}.responses are not the draws of its logits under the grader's noise")
-            q, resp = trim_rollouts(prompts, r, int(gen["pad_token_id"]), int(np.ravel(gen["eos_token_ids"])[0]))
+            q, resp = trim_rollouts(prompts, r, int(gen["pad_token_id"]), int(np.ravel(gen["eos_token_ids"])[0]),
+                                    _query_mask(recorded, i))
             scores.append(reward_model.scores(q, resp, int(gen["pad_token_id"])))
             shapes.append(tuple(r.shape))
     return {"reward": float(np.mean(np.concatenate(scores)))}, shapes

@@ -1,6 +1,11 @@
 """Run the PPO checks on a candidate (the twin of recorder/probes/training_ppo.py), inside the sandboxed child:
 the candidate's jax_oracles.training.ppo through its public names, on the recorded inputs only. The L6 probe
 decodes with grader code (catalog/ppo_eval.py) over the candidate's public forward.
+
+A vision-language task's images are encoded by the candidate (its prompt_vision on the recorded prompt batch:
+pixels, grids, M-RoPE positions); the step batch's per-token image features are laid out here as the rollout
+batch carries them (jax_oracles/training/ppo.py's docstring): each query's columns from its prompt's tail, a
+response column the image-pad token's text features.
 """
 from __future__ import annotations
 
@@ -10,15 +15,56 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from catalog.ppo_eval import decode, eval_noise
+from catalog.ppo_eval import decode, eval_noise, rope_deltas
 from catalog.workloads import GAE_OPTIONS, KL_COEFS, PPO_TIE_STATS, ROLLOUT_SAMPLING_OPTIONS, pad_rows, ppo_fixed_step_outputs, ppo_fixed_step_runs, ppo_stats_outputs, prompt_features
 from grader.probes.training import _lora_from_inputs, n
 
 LOSS_ARGS = ("old_logprobs", "values", "logits", "vpreds", "logprobs", "mask", "advantages", "returns")
+# a recorded prompt batch: ids and mask, and a VL batch's M-RoPE positions, rope deltas, pixels and grids
+PROMPT_FIELDS = ("input_ids", "attention_mask", "position_ids", "rope_deltas", "pixel_values", "image_grid_thw")
+_TOKEN = "token_"  # prompt_vision's per-token image features: token_<forward keyword> f32[B,P,...]
 
 
 def _prompts(ctx) -> list[dict]:
     return ctx.workflow.load_prompt_dataset(ctx.assets["tokenizer"], ctx.assets["data"], "train", ctx.args)
+
+
+def _collator(ctx):
+    return ctx.workflow.make_collator(ctx.args, ctx.assets["tokenizer"], data_dir=ctx.assets["data"],
+                                      rope_index=ctx.rope_index)
+
+
+def _prompt_batch(inp, prefix: str = "") -> dict:
+    return {k: np.asarray(inp[prefix + k]) for k in PROMPT_FIELDS if prefix + k in inp}
+
+
+def _prompt_features(ctx, policy, batch: dict) -> dict:
+    """The candidate's per-token image features of a VL prompt batch {token_<keyword>: f32[B,P,...]} ({} for text)."""
+    vision = ctx.workflow.prompt_vision(policy, batch)
+    return {} if vision is None else {k: np.asarray(v) for k, v in vision.items() if k.startswith(_TOKEN)}
+
+
+def _text_features(policy, prompt: dict) -> dict:
+    """What a generated image-pad token carries (the workflow's rule: it is text): the candidate's embedding of
+    the token as its merged patch, zero for an added feature (DeepStack's)."""
+    ids = jnp.full((1, 1), policy.module.config.image_token_id, jnp.int32)
+    text = np.asarray(policy.module.apply({"params": policy.params}, ids, method="embed"))[0, 0]
+    return {k: text if k == _TOKEN + "image_embeds" else np.zeros(v.shape[2:], np.float32) for k, v in prompt.items()}
+
+
+def _image_inputs(image_token_id: int, ids, features: dict) -> dict:
+    """The forward's image keywords from per-token features f32[B,T,...]: row k = the k-th image token's (reading
+    order), padded to B*T rows (never read past the count)."""
+    flat = (ids == image_token_id).reshape(-1)
+    (where,) = jnp.nonzero(flat, size=flat.shape[0], fill_value=0)
+    return {k[len(_TOKEN):]: v.reshape(flat.shape[0], *v.shape[2:])[where] for k, v in features.items()}
+
+
+def _with_images(features: list[dict], names) -> list[dict]:
+    """Prompt features with each row's recorded image names ("" padded; read from the task's data dir)."""
+    if names is None:
+        return features
+    return [{**f, "images": [str(x) for x in row if str(x)]} for f, row in zip(features, np.asarray(names))]
 
 
 def _gen_ids(ctx):
@@ -37,11 +83,11 @@ def _policy(ctx, inp):
 
 def probe_prompt_data(ctx, inp):
     ds, width = _prompts(ctx), ctx.args.cutoff_len + 1
-    batch = ctx.workflow.make_collator(ctx.args, ctx.assets["tokenizer"])(ds[:4])
+    batch = _collator(ctx)(ds[:4])
     return {"input_ids": pad_rows([list(f["input_ids"])[:width] for f in ds], width, -1),
             "labels": pad_rows([list(f["labels"])[:width] for f in ds], width, -7), "n": np.array(len(ds)),
-            "collate.input_ids": np.asarray(batch["input_ids"]).astype(np.int64),
-            "collate.attention_mask": np.asarray(batch["attention_mask"]).astype(np.int64)}
+            **{f"collate.{k}": np.asarray(batch[k]).astype(np.int64)
+               for k in ("input_ids", "attention_mask", "position_ids") if k in batch}}
 
 
 def probe_value_head(ctx, inp):
@@ -121,19 +167,40 @@ def probe_kl_controller(ctx, inp):
 def probe_rollout_generate(ctx, inp):
     policy, trainable = _policy(ctx, inp)
     eos, pad = _gen_ids(ctx)
+    vision = ctx.workflow.prompt_vision(policy, _prompt_batch(inp))  # a VL batch's images and positions, else None
     responses = ctx.workflow.generate(policy, trainable["lora"], inp["input_ids"], inp["attention_mask"], inp["noise"],
-                                      ctx.args, eos, pad)
+                                      ctx.args, eos, pad, vision)
     _, r = ctx.workflow.trim_rollouts(inp["input_ids"], responses, pad, eos[0])
     return {"responses": n(responses).astype(np.int64), "response_len": np.array([len(x) for x in r], np.int64)}
 
 
-def _batch(inp) -> dict:
-    return {k: jnp.asarray(inp[k]) for k in ("input_ids", "attention_mask", "query_len", "response_len", "scores")}
+def _row_features(ctx, policy, inp) -> dict:
+    """A VL step batch's per-token image features f32[B,W,...]: row i's first query_len columns are its prompt's
+    last ones (the query is the prompt without its left pad or LF's fake image), the rest the text features."""
+    prompt = _prompt_features(ctx, policy, _prompt_batch(inp, "prompt."))
+    text = _text_features(policy, prompt)
+    query_len, width = np.asarray(inp["query_len"]), np.shape(inp["input_ids"])[1]
+    out = {}
+    for k, v in prompt.items():
+        rows = np.broadcast_to(text[k], (len(query_len), width, *text[k].shape)).copy()
+        for i, q in enumerate(query_len):
+            rows[i, :q] = v[i, v.shape[1] - q:]
+        out[k] = jnp.asarray(rows)
+    return out
+
+
+def _batch(ctx, policy, inp) -> dict:
+    """The rollout batch of the step checks; a VL batch adds its recorded row_positions and the candidate's image
+    features."""
+    batch = {k: jnp.asarray(inp[k]) for k in ("input_ids", "attention_mask", "query_len", "response_len", "scores")}
+    if "row_positions" in inp:
+        batch.update(row_positions=jnp.asarray(inp["row_positions"]), **_row_features(ctx, policy, inp))
+    return batch
 
 
 def probe_rollout_logprobs_values(ctx, inp):
     policy, trainable = _policy(ctx, inp)
-    b = _batch(inp)
+    b = _batch(ctx, policy, inp)
     logprobs, _, values, masks = ctx.workflow.batched_forward_pass(policy, trainable["lora"], trainable["v_head"], b,
                                                                    b["query_len"], b["response_len"])
     ref, _, _, _ = ctx.workflow.batched_forward_pass(policy, None, trainable["v_head"], b, b["query_len"],
@@ -144,7 +211,7 @@ def probe_rollout_logprobs_values(ctx, inp):
 def _step0(ctx, inp):
     if getattr(ctx, "ppo_step0", None) is None:
         policy, trainable = _policy(ctx, inp)
-        ctx.ppo_step0 = ctx.workflow.ppo_step_loss_and_grads(policy, trainable, _batch(inp), ctx.args)
+        ctx.ppo_step0 = ctx.workflow.ppo_step_loss_and_grads(policy, trainable, _batch(ctx, policy, inp), ctx.args)
     return ctx.ppo_step0
 
 
@@ -163,11 +230,12 @@ def probe_ppo_step0_grads(ctx, inp):
 def _fixed(ctx, inp):
     if getattr(ctx, "ppo_fixed", None) is None:
         num = len([k for k in inp if k.endswith(".prompts") and k.startswith("s")])
-        steps = [prompt_features(inp[f"s{i}.prompts"]) for i in range(num)]
+        steps = [_with_images(prompt_features(inp[f"s{i}.prompts"]), inp.get(f"s{i}.images")) for i in range(num)]
         init, v_head = _lora_from_inputs(inp), _v_head_from_inputs(inp)
         eos, pad = _gen_ids(ctx)
         runs = ppo_fixed_step_runs(lambda args: ctx.workflow.train_steps(
-            ctx.assets["checkpoint"], ctx.assets["reward_model"], init, v_head, steps, args, eos, pad), ctx.args)
+            ctx.assets["checkpoint"], ctx.assets["reward_model"], init, v_head, steps, args, eos, pad,
+            ctx.assets["tokenizer"], ctx.assets["data"]), ctx.args)
         # the moved steps are the reference's: every check of this run gets the same recorded inputs
         ctx.ppo_fixed = ppo_fixed_step_outputs(runs, {k: inp[k] for k in inp if k.endswith("moved_steps")})
     return ctx.ppo_fixed
@@ -203,6 +271,25 @@ def probe_ppo_e2e_eval(ctx, inp):
     return {"before": np.float32(ctx.run().eval_before)}
 
 
+def _heldout_forward(ctx, model, variables, inp, i: int, text_apply):
+    """forward(ids, mask, positions) -> logits for ppo_eval.decode on held-out batch i: the candidate's public
+    forward, jitted (text_apply for a text batch); a VL batch's image features at its prompt's image tokens (the
+    candidate's prompt_vision), a generated image-pad token embedded as text (as the workflow's generate does)."""
+    if f"b{i}.pixel_values" not in inp:
+        return lambda a, b, c: n(text_apply(a, b, c))
+    batch = _prompt_batch(inp, f"b{i}.")
+    batch["rope_deltas"] = rope_deltas(batch["position_ids"], batch["attention_mask"])[:, None]
+    prompt = _prompt_features(ctx, model, batch)
+    text = _text_features(model, prompt)
+    B, N = len(batch["input_ids"]), int(inp["gen.max_new_tokens"])
+    features = {k: jnp.concatenate([v, jnp.broadcast_to(text[k], (B, N, *text[k].shape))], axis=1)
+                for k, v in prompt.items()}
+    image_token_id = model.module.config.image_token_id
+    apply = jax.jit(lambda ids, mask, pos, f: model.module.apply(variables, ids, mask, pos,
+                                                                 **_image_inputs(image_token_id, ids, f)))
+    return lambda a, b, c: n(apply(a, b, c, features))
+
+
 def probe_heldout_reward(ctx, inp):
     """Held-out responses decoded by grader code over the candidate's public forward with the adapter its own
     L5 run produced (adapter.<PEFT name>), noise from grader/ppo_eval.eval_noise; the parent scores them."""
@@ -211,16 +298,18 @@ def probe_heldout_reward(ctx, inp):
     adapter = ctx.lora.lora_tree_from_state_dict({k[len("adapter."):]: np.asarray(v) for k, v in inp.items()
                                                   if k.startswith("adapter.")})
     variables = {"params": model.params, "lora": adapter}
-    apply = jax.jit(lambda ids, mask, pos: model.module.apply(variables, ids, mask, pos))
+    text_apply = jax.jit(lambda ids, mask, pos: model.module.apply(variables, ids, mask, pos))
     gen = {k[len("gen."):]: inp[k] for k in inp if k.startswith("gen.")}
     vocab = ctx.config.vocab_size
     num_batches = len([k for k in inp if k.startswith("b") and k.endswith(".input_ids")])
     out = {}
-    for k in range(int(gen["eval_samples"])):
-        for i in range(num_batches):
-            ids, mask = np.asarray(inp[f"b{i}.input_ids"]), np.asarray(inp[f"b{i}.attention_mask"])
+    for i in range(num_batches):
+        forward = _heldout_forward(ctx, model, variables, inp, i, text_apply)
+        ids, mask = np.asarray(inp[f"b{i}.input_ids"]), np.asarray(inp[f"b{i}.attention_mask"])
+        positions = inp.get(f"b{i}.position_ids")  # a VL prompt's M-RoPE positions, continued by decode
+        for k in range(int(gen["eval_samples"])):
             noise = eval_noise(k, i, (len(ids), int(gen["max_new_tokens"]), vocab))
-            responses, logits = decode(lambda a, b, c: n(apply(a, b, c)), ids, mask, noise, gen)
+            responses, logits = decode(forward, ids, mask, noise, gen, positions)
             out[f"b{i}.s{k}.responses"], out[f"b{i}.s{k}.logits"] = responses.astype(np.int64), logits
     return out
 

@@ -1,6 +1,11 @@
 """Record the PPO checks of the training class (catalog/checks.py, methods ("ppo",)) from
 torch_sources/training/ppo.py. The shared checks come from recorder/probes/training.py; the JAX twin of
 this file is grader/probes/training_ppo.py.
+
+A vision-language task (its template's collator has an mm context) records what the torch workflow hands its
+model besides the ids: the prompt batch's M-RoPE positions, rope deltas, pixels and grids (generation, the held-out
+batches), the step batch's row_positions with its prompt batch (the candidate encodes the images itself), and
+each fixed-steps prompt's image names (read from the task's data dir). A text task records as before.
 """
 from __future__ import annotations
 
@@ -9,16 +14,38 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from catalog.ppo_eval import RewardModel, decode, eval_noise, heldout_reward
+from catalog.ppo_eval import RewardModel, decode, eval_noise, heldout_reward, rope_deltas
 from catalog.provenance import ROOT
 from catalog.workloads import GAE_OPTIONS, KL_COEFS, KL_CONTROLLER_KLS, PPO_TIE_STATS, ROLLOUT_SAMPLING_OPTIONS, moved_steps, pad_rows, ppo_fixed_step_outputs, ppo_fixed_step_runs, ppo_stats_outputs, prompt_rows
-from recorder.probes.training import _lora_init, n, rng_for, t
+from recorder.probes.training import _lora_init, batch_arrays, n, rng_for, t
 
 ADAPTER_SCALE = 0.05  # lora_B of the L3/L4 step checks: a policy that differs from the reference
 
 
 def _prompts(ctx, split: str = "train") -> list[dict]:
     return ctx.workflow.load_prompt_dataset(ROOT / ctx.cfg.family.tokenizer, ROOT / ctx.cfg.data.dir, split, ctx.args)
+
+
+def _collator(ctx):
+    """The task's prompt collator: a vision-language template's reads the rows' images from the data dir and takes
+    the model's rope index (its mm context; None for text)."""
+    return ctx.workflow.make_collator(ctx.args, ROOT / ctx.cfg.family.tokenizer, data_dir=ROOT / ctx.cfg.data.dir,
+                                      rope_index=ctx.rope_index)
+
+
+def _prompt_arrays(batch: dict, prefix: str = "") -> dict[str, np.ndarray]:
+    """A collated prompt batch as recorded inputs: ids and mask (i32), and a VL batch's positions, pixels, grids and
+    rope deltas (what the candidate's prompt_vision takes)."""
+    out = batch_arrays(batch)
+    if "rope_deltas" in batch:
+        out["rope_deltas"] = n(batch["rope_deltas"]).astype(np.int64)
+    return {prefix + k: v for k, v in out.items()}
+
+
+def _image_names(features: list[dict]) -> np.ndarray:
+    """Each prompt's image names (relative to the data dir) as rows padded with "" (an HDF5 input)."""
+    width = max(1, max(len(f.get("images") or []) for f in features))
+    return np.array([list(f.get("images") or []) + [""] * (width - len(f.get("images") or [])) for f in features])
 
 
 def _gen_ids(ctx):
@@ -59,11 +86,11 @@ def _masks(r, rows: int, width: int, lo: int, hi: int) -> np.ndarray:
 def probe_prompt_data(ctx):
     ds = _prompts(ctx)
     width = ctx.args.cutoff_len + 1
-    batch = ctx.workflow.make_collator(ctx.args, ROOT / ctx.cfg.family.tokenizer)(ds[:4])
+    batch = _collator(ctx)(ds[:4])
     return {}, {"input_ids": pad_rows([f["input_ids"][:width] for f in ds], width, -1),
                 "labels": pad_rows([f["labels"][:width] for f in ds], width, -7), "n": np.array(len(ds)),
-                "collate.input_ids": n(batch["input_ids"]).astype(np.int64),
-                "collate.attention_mask": n(batch["attention_mask"]).astype(np.int64)}
+                **{f"collate.{k}": n(batch[k]).astype(np.int64) for k in ("input_ids", "attention_mask", "position_ids")
+                   if k in batch}}
 
 
 def probe_value_head(ctx):
@@ -80,9 +107,12 @@ def _fixed_rollouts(ctx, r, num: int, lengths) -> tuple[list, list]:
     return queries, responses
 
 
-def _rollout_inputs(ctx, queries, responses) -> dict[str, np.ndarray]:
-    inputs = ctx.workflow.prepare_model_inputs(queries, responses, _gen_ids(ctx)[1])
-    return {**{k: n(v).astype(np.int32) for k, v in inputs.items()},
+def _rollout_inputs(ctx, queries, responses, vision=None) -> dict[str, np.ndarray]:
+    """Right-padded query + response rows (a VL batch: and their M-RoPE row_positions; its per-token image features
+    stay out, the candidate computes them) and the lengths."""
+    inputs = ctx.workflow.prepare_model_inputs(queries, responses, _gen_ids(ctx)[1], vision)
+    return {**{k: n(inputs[k]).astype(np.int32) for k in ("input_ids", "attention_mask", "row_positions")
+               if k in inputs},
             "query_len": np.array([len(q) for q in queries], np.int32),
             "response_len": np.array([len(x) for x in responses], np.int32)}
 
@@ -177,68 +207,80 @@ def probe_kl_controller(ctx):
 
 # ---- L3 / L4 -----------------------------------------------------------------------------------
 
-def _prompt_batch(ctx, num: int):
-    ds = _prompts(ctx)[:num]
-    batch = ctx.workflow.make_collator(ctx.args, ROOT / ctx.cfg.family.tokenizer)(ds)
-    return {k: n(v) for k, v in batch.items()}
-
-
 def _generation(ctx):
-    """Responses of the nonzero adapter for the first batch_size prompts, each mini-batch with its step-0 noise."""
+    """Responses of the nonzero adapter for the first batch_size prompts, each mini-batch with its step-0 noise
+    (a VL batch: its images and M-RoPE positions through the workflow's prompt_vision; queries start at the first
+    attended token, as its rollout trims them)."""
     if getattr(ctx, "ppo_generation", None) is None:
-        batch, adapter = _prompt_batch(ctx, ctx.args.batch_size), _adapter(ctx)
+        batch, adapter = _collator(ctx)(_prompts(ctx)[:ctx.args.batch_size]), _adapter(ctx)
         eos, pad = _gen_ids(ctx)
         model, mb, V = _policy(ctx, adapter), ctx.args.mini_batch_size, ctx.config.vocab_size
         noise = np.concatenate([ctx.workflow.rollout_noise(ctx.args.seed, 0, m, (mb, ctx.args.max_new_tokens, V))
                                 for m in range(ctx.args.gradient_accumulation_steps)])
-        responses = ctx.workflow.generate(model, t(batch["input_ids"]), t(batch["attention_mask"]), noise, ctx.args,
-                                          eos, pad)
-        q, r = ctx.workflow.trim_rollouts(t(batch["input_ids"]), responses, pad, eos[0])
+        vision = ctx.workflow.prompt_vision(model, batch)
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        responses = ctx.workflow.generate(model, ids, mask, noise, ctx.args, eos, pad, vision)
+        q, r = ctx.workflow.trim_rollouts(ids, responses, pad, eos[0], None if vision is None else mask)
         ctx.ppo_generation = batch, adapter, noise, responses, q, r
     return ctx.ppo_generation
 
 
 def probe_rollout_generate(ctx):
     batch, adapter, noise, responses, _, r = _generation(ctx)
-    inputs = {**{k: v.astype(np.int32) for k, v in batch.items()}, "noise": noise,
-              **{f"lora.{k}": v for k, v in adapter.items()}}
+    inputs = {**_prompt_arrays(batch), "noise": noise, **{f"lora.{k}": v for k, v in adapter.items()}}
     return inputs, {"responses": n(responses).astype(np.int64),
                     "response_len": np.array([len(x) for x in r], np.int64)}
 
 
 def _step_rollouts(ctx):
-    """Fixed rollouts for the step checks: the L3 generation's queries and responses, scored by the reward model."""
-    _, adapter, _, _, q, r = _generation(ctx)
-    scores = ctx.workflow.get_rewards(_reward_model(ctx), q, r, _gen_ids(ctx)[1])
-    return q, r, scores, adapter
+    """Fixed rollouts for the step checks: the L3 generation's queries and responses, scored by the reward model,
+    and (a VL batch) the rows' vision inputs. A VL batch's come from the workflow's rollout on the same prompts,
+    adapter and noise (its mini-batches): the per-row positions and image features ppo_step takes are its output."""
+    if getattr(ctx, "ppo_rollouts", None) is None:
+        batch, adapter, noise, _, q, r = _generation(ctx)
+        eos, pad = _gen_ids(ctx)
+        mm = _collator(ctx).mm
+        if mm is None:
+            scores, vision = ctx.workflow.get_rewards(_reward_model(ctx), q, r, pad), None
+        else:
+            q, r, scores, vision = ctx.workflow.rollout(_policy(ctx, adapter), _reward_model(ctx),
+                                                        _prompts(ctx)[:ctx.args.batch_size], ctx.args, eos, pad, 0,
+                                                        noise, mm)
+        ctx.ppo_rollouts = q, r, scores, adapter, vision, batch
+    return ctx.ppo_rollouts
 
 
-def _step_inputs(ctx, q, r, scores, adapter, v_head) -> dict[str, np.ndarray]:
-    return {**_rollout_inputs(ctx, q, r), "scores": n(scores), **{f"lora.{k}": v for k, v in adapter.items()},
+def _step_inputs(ctx, q, r, scores, adapter, v_head, vision=None, batch=None) -> dict[str, np.ndarray]:
+    """The step batch as recorded: right-padded query + response rows, their lengths, the scores, the inits; a VL
+    batch adds its row_positions and the prompt batch whose images the candidate encodes (prompt.*)."""
+    rows = _rollout_inputs(ctx, q, r, vision)
+    if vision is not None:
+        rows.update(_prompt_arrays(batch, "prompt."))
+    return {**rows, "scores": n(scores), **{f"lora.{k}": v for k, v in adapter.items()},
             **{f"v_head.{k}": v for k, v in v_head.items()}}
 
 
 def probe_rollout_logprobs_values(ctx):
-    q, r, scores, adapter = _step_rollouts(ctx)
+    q, r, scores, adapter, vision, batch = _step_rollouts(ctx)
     v_head, pad = _value_head(ctx), _gen_ids(ctx)[1]
     model = _policy(ctx, adapter, v_head)
-    inputs = ctx.workflow.prepare_model_inputs(q, r, pad)
+    inputs = ctx.workflow.prepare_model_inputs(q, r, pad, vision)
     with torch.no_grad():
         logprobs, _, values, masks = ctx.workflow.batched_forward_pass(model, q, r, inputs, ctx.args.mini_batch_size)
         with ctx.lora.disable_adapter(model):
             ref, _, _, _ = ctx.workflow.batched_forward_pass(model, q, r, inputs, ctx.args.mini_batch_size)
-    return (_step_inputs(ctx, q, r, scores, adapter, v_head),
+    return (_step_inputs(ctx, q, r, scores, adapter, v_head, vision, batch),
             {"logprobs": n(logprobs), "values": n(values), "masks": n(masks).astype(np.float32),
              "ref_logprobs": n(ref)})
 
 
 def _step0(ctx):
     if getattr(ctx, "ppo_step0", None) is None:
-        q, r, scores, adapter = _step_rollouts(ctx)
+        q, r, scores, adapter, vision, batch = _step_rollouts(ctx)
         v_head = _value_head(ctx)
         terms, tensors, grads = ctx.workflow.ppo_step_loss_and_grads(_policy(ctx, adapter, v_head), q, r, scores,
-                                                                     ctx.args, _gen_ids(ctx)[1])
-        ctx.ppo_step0 = _step_inputs(ctx, q, r, scores, adapter, v_head), terms, tensors, grads
+                                                                     ctx.args, _gen_ids(ctx)[1], vision=vision)
+        ctx.ppo_step0 = _step_inputs(ctx, q, r, scores, adapter, v_head, vision, batch), terms, tensors, grads
     return ctx.ppo_step0
 
 
@@ -265,9 +307,11 @@ def _fixed(ctx):
         init, v_head = _lora_init(ctx), _value_head(ctx)
         eos, pad = _gen_ids(ctx)
         runs = ppo_fixed_step_runs(lambda args: ctx.workflow.train_steps(
-            ctx.ckpt, ROOT / ctx.cfg.method.reward_model, init, v_head, steps, args, eos, pad), ctx.args)
+            ctx.ckpt, ROOT / ctx.cfg.method.reward_model, init, v_head, steps, args, eos, pad,
+            ROOT / ctx.cfg.family.tokenizer, ROOT / ctx.cfg.data.dir), ctx.args)
         moved = {f"{name}moved_steps": moved_steps(stats) for name, (stats, *_) in runs.items()}
-        inputs = {**{f"s{i}.prompts": prompt_rows(s) for i, s in enumerate(steps)},
+        images = {f"s{i}.images": _image_names(s) for i, s in enumerate(steps)} if _collator(ctx).mm else {}
+        inputs = {**{f"s{i}.prompts": prompt_rows(s) for i, s in enumerate(steps)}, **images,
                   **{f"lora.{k}": v for k, v in init.items()}, **{f"v_head.{k}": v for k, v in v_head.items()},
                   **moved}  # every check of these runs carries them: the twin's cache may be built by any
         ctx.ppo_fixed = inputs, ppo_fixed_step_outputs(runs, moved)
@@ -309,11 +353,53 @@ def probe_ppo_e2e_eval(ctx):
     return {"seed": np.int64(ctx.args.seed)}, {"before": np.float32(ctx.run().eval_before)}
 
 
-def _heldout_batches(ctx) -> list[dict[str, np.ndarray]]:
+def _heldout_batches(ctx) -> list[dict]:
+    """The eval prompts in batches of per_device_eval_batch_size, collated as evaluate_reward's rollout collates
+    them (a VL batch: its images, M-RoPE positions and rope deltas)."""
     held_out, size = _prompts(ctx, "eval"), ctx.args.per_device_eval_batch_size
-    collate = ctx.workflow.make_collator(ctx.args, ROOT / ctx.cfg.family.tokenizer)
-    return [{k: n(v).astype(np.int32) for k, v in collate(held_out[s:s + size]).items()}
-            for s in range(0, len(held_out), size)]
+    collate = _collator(ctx)
+    return [collate(held_out[s:s + size]) for s in range(0, len(held_out), size)]
+
+
+_TOKEN = "token_"  # prompt_vision's per-token image features: token_<forward keyword> f32[B,P,...]
+
+
+def _text_features(lm, prompt: dict) -> dict:
+    """What a generated image-pad token carries (the workflow's rule: it is text): the token's own embedding as
+    its merged patch, zero for an added feature (DeepStack's)."""
+    text = lm.embed(torch.tensor([[lm.config.image_token_id]]))[0, 0].detach()
+    return {k: text if k == _TOKEN + "image_embeds" else torch.zeros(v.shape[2:]) for k, v in prompt.items()}
+
+
+def _forward(ctx, model, batch: dict):
+    """The policy's forward(ids, mask, positions) -> logits for ppo_eval.decode on one prompt batch, as the
+    workflow's generate runs it: a VL batch's image features at its prompt's image tokens (prompt_vision), a
+    generated image-pad token embedded as text."""
+    lm = model.pretrained_model
+    vision = ctx.workflow.prompt_vision(model, batch)
+    prompt = {} if vision is None else {k: v for k, v in vision.items() if k.startswith(_TOKEN)}
+    text = _text_features(lm, prompt) if prompt else {}
+
+    def forward(ids, mask, pos):
+        ids = t(ids).long()
+        new = ids.shape[1] - batch["input_ids"].shape[1]
+        at_images = ids == getattr(lm.config, "image_token_id", -1)
+        features = {k[len(_TOKEN):]: torch.cat([v, text[k].expand(len(ids), new, *text[k].shape)], dim=1)[at_images]
+                    for k, v in prompt.items()}
+        with torch.no_grad():
+            return n(lm(ids, t(mask).long(), t(pos).long(), **features))
+    return forward
+
+
+def _decode_positions(batch: dict):
+    """A VL batch's prompt positions for ppo_eval.decode (None for text), after checking that ppo_eval's rope
+    deltas, derived from them, are the collator's."""
+    if "rope_deltas" not in batch:
+        return None
+    positions, mask = n(batch["position_ids"]), n(batch["attention_mask"])
+    if not np.array_equal(rope_deltas(positions, mask), n(batch["rope_deltas"])[:, 0]):
+        raise RuntimeError("catalog/ppo_eval.rope_deltas differs from the collator's rope_deltas")
+    return positions
 
 
 def probe_heldout_reward(ctx):
@@ -329,20 +415,16 @@ def probe_heldout_reward(ctx):
            "gen.top_p": np.float64(a.top_p), "gen.max_new_tokens": np.int64(a.max_new_tokens),
            "gen.eos_token_ids": np.array(eos, np.int64), "gen.pad_token_id": np.int64(pad),
            "gen.eval_samples": np.int64(a.eval_samples), "gen.reward_model": np.array(str(ctx.cfg.method.reward_model))}
-    inputs = {**{f"b{i}.{k}": v for i, b in enumerate(batches) for k, v in b.items()}, **gen}
+    inputs = {**{f"b{i}.{k}": v for i, b in enumerate(batches) for k, v in batch_arrays(b).items()}, **gen}
     # the grader's decoding and reward model on the source's own forward must give the source's evaluate_reward
     model = _policy(ctx, ctx.run().lora_state_dict, ctx.run().value_head).eval()
-
-    def forward(ids, mask, pos):
-        with torch.no_grad():
-            return n(model.pretrained_model(t(ids).long(), t(mask).long(), t(pos).long()))
-
     settings = {k[len("gen."):]: v for k, v in gen.items()}
     produced = {}
-    for k in range(a.eval_samples):
-        for i, b in enumerate(batches):
+    for i, b in enumerate(batches):
+        forward, positions = _forward(ctx, model, b), _decode_positions(b)
+        for k in range(a.eval_samples):
             noise = eval_noise(k, i, (len(b["input_ids"]), a.max_new_tokens, ctx.config.vocab_size))
-            responses, logits = decode(forward, b["input_ids"], b["attention_mask"], noise, settings)
+            responses, logits = decode(forward, n(b["input_ids"]), n(b["attention_mask"]), noise, settings, positions)
             produced.update({f"b{i}.s{k}.responses": responses, f"b{i}.s{k}.logits": logits})
     ours = heldout_reward(inputs, produced, RewardModel(ROOT / ctx.cfg.method.reward_model))[0]["reward"]
     if abs(ours - ctx.run().eval_after) > 1e-4 * max(1.0, abs(ctx.run().eval_after)):
