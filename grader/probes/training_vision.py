@@ -126,7 +126,6 @@ def probe_pixel_grad(ctx, inp):
     return {"loss": np.float32(loss), "grad": n(grad)}
 
 
-PROBES = {"image_regularize": probe_image_regularize, "image_processor": probe_image_processor,
-          "vision_rope": probe_vision_rope, "mrope": probe_mrope, "patch_embed": probe_patch_embed,
-          "vision_block": probe_vision_block, "vision_merger": probe_vision_merger,
-          "deepstack": probe_deepstack, "vision_tower": probe_vision_tower, "logits_images": probe_logits_images, "pixel_grad": probe_pixel_grad}
+PROBES = {name: globals()[f"probe_{name}"] for name in (
+    "image_regularize", "image_processor", "vision_rope", "mrope", "patch_embed", "vision_block", "vision_merger",
+    "deepstack", "vision_tower", "logits_images", "pixel_grad")}

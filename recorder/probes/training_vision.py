@@ -77,29 +77,33 @@ def probe_vision_rope(ctx):
     return {"grid_thw": VISION_GRIDS}, {"positions": n(pos).astype(np.float32), "cos": n(cos), "sin": n(sin)}
 
 
-def _mrope_case(ctx):
-    """Two rows: text, an image (a 4x6 patch grid: 2x3 merged), text, right-padded; and text, two images (2x3
-    and 1x1 merged) with text between and after. Returns ids i64[2,T], grids i64[3,3], mask i64[2,T]."""
-    c, r = ctx.config, rng_for("mrope")
-    start, end = c.vision_start_token_id, _config_json(ctx)["vision_end_token_id"]
-
-    def image(i):
-        return [start] + [c.image_token_id] * (int(np.prod(VISION_GRIDS[i])) // c.vision.spatial_merge_size ** 2) + [end]
-
-    def text(k):
-        return [int(x) for x in r.integers(0, start - 9, k)]
-
-    rows = [text(3) + image(0) + text(4), text(2) + image(1) + text(1) + image(2) + text(3)]
+def _rows_with_images(ctx, name: str, grids, texts) -> tuple[np.ndarray, np.ndarray]:
+    """Two right-padded rows of random text runs (lengths `texts[b]`) with an image span between consecutive runs:
+    row 0 holds the first grid's image, row 1 the other two. -> ids i64[2,T], mask i64[2,T]."""
+    c, r = ctx.config, rng_for(name)
+    start, end, merge = c.vision_start_token_id, _vision_end_id(ctx), c.vision.spatial_merge_size ** 2
+    spans = iter([start] + [c.image_token_id] * (int(np.prod(g)) // merge) + [end] for g in np.asarray(grids))
+    rows = [[tok for k, run in enumerate(lengths) for tok in ([*next(spans)] if k else []) +
+             [int(x) for x in r.integers(0, start - 9, run)]] for lengths in texts]
     T = max(map(len, rows)) + 2
-    ids = np.zeros((2, T), np.int64)
-    mask = np.zeros((2, T), np.int64)
+    ids, mask = np.zeros((2, T), np.int64), np.zeros((2, T), np.int64)
     for b, row in enumerate(rows):
         ids[b, :len(row)], mask[b, :len(row)] = row, 1
+    return ids, mask
+
+
+def _mrope_case(ctx):
+    """Row 0: text, an image (a 4x6 patch grid: 2x3 merged), text; row 1: text, two images (2x3 and 1x1 merged)
+    with text between and after; right padding. Returns ids i64[2,T], grids i64[3,3], mask i64[2,T]."""
+    ids, mask = _rows_with_images(ctx, "mrope", VISION_GRIDS, [(3, 4), (2, 1, 3)])
     return ids, VISION_GRIDS, mask
 
 
-def _config_json(ctx) -> dict:
-    return json.loads((Path(ctx.ckpt) / "config.json").read_text())
+def _vision_end_id(ctx) -> int:
+    """<|vision_end|>'s id from config.json (the model's config has no field for it: positions never read it); an
+    Omni release keeps it in thinker_config."""
+    d = json.loads((Path(ctx.ckpt) / "config.json").read_text())
+    return int(d.get("thinker_config", d)["vision_end_token_id"])
 
 
 def probe_mrope(ctx):
@@ -170,24 +174,9 @@ def probe_vision_tower(ctx):
 def image_batch(ctx):
     """A batch with images, built from the shipped images: row 0 holds one, row 1 two (with text between), row 0
     right-padded; pixels and grids as the processor gives them; labels on the text tokens only."""
-    names = shipped_images(ROOT / ctx.cfg.data.dir)[:3]
-    _, (pixels, grid) = _processed_images(ctx, names)
-    c, r = ctx.config, rng_for("image_batch")
-    start, end = c.vision_start_token_id, _config_json(ctx)["vision_end_token_id"]
-    merge = c.vision.spatial_merge_size ** 2
-
-    def image(i):
-        return [start] + [c.image_token_id] * (int(np.prod(n(grid)[i])) // merge) + [end]
-
-    def text(k):
-        return [int(x) for x in r.integers(0, start - 9, k)]
-
-    rows = [text(5) + image(0) + text(6), text(3) + image(1) + text(2) + image(2) + text(4)]
-    T = max(map(len, rows)) + 3
-    ids, mask = np.zeros((2, T), np.int64), np.zeros((2, T), np.int64)
-    for b, row in enumerate(rows):
-        ids[b, :len(row)], mask[b, :len(row)] = row, 1
-    labels = np.where((mask == 1) & (ids != c.image_token_id), ids, -100)
+    _, (pixels, grid) = _processed_images(ctx, shipped_images(ROOT / ctx.cfg.data.dir)[:3])
+    ids, mask = _rows_with_images(ctx, "image_batch", n(grid), [(5, 6), (3, 2, 4)])
+    labels = np.where((mask == 1) & (ids != ctx.config.image_token_id), ids, -100)
     return {"input_ids": ids, "attention_mask": mask, "pixel_values": n(pixels), "image_grid_thw": n(grid)}, labels
 
 
@@ -213,6 +202,6 @@ def probe_pixel_grad(ctx):
     return {**batch, "labels": labels}, {"loss": np.float32(loss.item()), "grad": n(grad)}
 
 
-PROBES = {"image_regularize": probe_image_regularize, "image_processor": probe_image_processor, "vision_rope": probe_vision_rope, "mrope": probe_mrope,
-          "patch_embed": probe_patch_embed, "vision_block": probe_vision_block, "vision_merger": probe_vision_merger,
-          "deepstack": probe_deepstack, "vision_tower": probe_vision_tower, "logits_images": probe_logits_images, "pixel_grad": probe_pixel_grad}
+PROBES = {name: globals()[f"probe_{name}"] for name in (
+    "image_regularize", "image_processor", "vision_rope", "mrope", "patch_embed", "vision_block", "vision_merger",
+    "deepstack", "vision_tower", "logits_images", "pixel_grad")}
