@@ -30,9 +30,9 @@ from .collator import PairwiseDataCollator, collated_positions
 from .loss import IGNORE_INDEX
 from .lora import disable_adapter, init_lora_tree, lora_state_dict, lora_tree_from_state_dict
 from .processor import preprocess_pairwise_dataset
-from .sft import (CausalLM, TrainArgs, _embedded, _fake_image_length, _fixed_tokenizer, _image_features,
-                  _lora_optimizer, _pad_rows, load_model, lora_config, media_dir, multimodal_context,
-                  num_training_steps, step_example_indices)
+from .sft import (CausalLM, TrainArgs, _embedded, _fake_media_length, _fixed_tokenizer, _lora_optimizer, _pad_rows,
+                  _tower_features, load_model, lora_config, media_dir, multimodal_context, num_training_steps,
+                  step_example_indices)
 
 __all__ = ["DPOArgs", "DPOResult", "METRICS", "load_pairwise_dataset", "make_collator", "get_batch_logps",
            "dpo_loss", "concatenated_forward", "reference_log_probs", "batch_loss_metrics",
@@ -121,7 +121,7 @@ def concatenated_forward(module, variables: dict, batch: dict) -> dict:
     and the tower's image features; a text batch takes torch's collated positions (its longrope table)."""
     if "position_ids" in batch:
         logits = module.apply(variables, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
-                              **_image_features(batch))
+                              **_tower_features(batch))
     else:
         logits = module.apply(variables, batch["input_ids"], batch["attention_mask"],
                               collated_positions(batch["attention_mask"]))
@@ -236,7 +236,7 @@ def _pad_pairs(batch: dict, pairs: int, length: int, pad_token_id: int) -> dict[
             out["position_ids"][:, half * pairs:half * pairs + n, :t] = np.asarray(batch["position_ids"])[
                 :, half * n:(half + 1) * n]
     # image features keep their reading order: filler rows between the halves hold no image token
-    out.update({k: _pad_rows(v, 2 * pairs * length) for k, v in _image_features(batch).items()})
+    out.update({k: _pad_rows(v, 2 * pairs * length) for k, v in _tower_features(batch).items()})
     out["pair_mask"] = (np.arange(pairs) < n).astype(np.float32)
     out["columns"] = np.int32(max(t, 1))
     return out
@@ -247,7 +247,7 @@ def _empty_like(batch: dict) -> dict[str, np.ndarray]:
     empty = {k: np.zeros((0, 0), np.int32) for k in _FIELDS}
     if "position_ids" in batch:
         empty["position_ids"] = np.zeros((3, 0, 0), np.int32)
-    return {**empty, **{k: np.zeros((0, *np.shape(v)[1:]), np.float32) for k, v in _image_features(batch).items()}}
+    return {**empty, **{k: np.zeros((0, *np.shape(v)[1:]), np.float32) for k, v in _tower_features(batch).items()}}
 
 
 def _stack_step(micro_batches: list[dict], num_micro: int, pairs: int, length: int,
@@ -335,7 +335,7 @@ def train_dpo(model_dir, tokenizer_dir, data_dir, args: DPOArgs = DPOArgs()) -> 
     model = load_model(model_dir, lora_config(args))
     # M-RoPE models: LF's collator asks the model for positions
     collate = make_collator(args, tokenizer_dir, data_dir=data_dir, rope_index=getattr(model.module, "rope_index", None))
-    length = _bucket_length(train + held_out, _fake_image_length(collate.mm))  # one static shape for every batch
+    length = _bucket_length(train + held_out, _fake_media_length(collate.mm))  # one static shape for every batch
     lora = init_lora_tree(model.params, lora_config(args), args.seed)  # lora_B = 0: the policy is the reference
     eval_before = _evaluate(model, lora, held_out, args, length, collate.pad_token_id, collate.mm)
     tx = _lora_optimizer(args, num_training_steps(len(train), args))

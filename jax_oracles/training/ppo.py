@@ -44,7 +44,7 @@ from .lora import init_lora_tree, lora_state_dict, lora_tree_from_state_dict
 from .optimizer import LR_MULTIPLIERS, _decay_mask, clip_grad_norm, get_warmup_steps
 from .processor import preprocess_unsupervised_dataset
 from .collator import MultimodalContext
-from .sft import (IMAGE_FEATURES, CausalLM, TrainArgs, _fake_image_length, _fixed_tokenizer, encode_images, load_model,
+from .sft import (IMAGE_FEATURES, CausalLM, TrainArgs, _fake_media_length, _fixed_tokenizer, encode_images, load_model,
                   lora_config, media_dir, multimodal_context)
 
 __all__ = ["PPOArgs", "PPOResult", "STATS", "VALUE_HEAD_FILE", "load_prompt_dataset", "make_collator",
@@ -780,7 +780,7 @@ def train_steps(model_dir, reward_model_dir, lora_init: dict, value_head_init: d
     reward, reward_v_head = load_reward_model(reward_model_dir)
     stats, responses, trainable = _run(policy, trainable, reward, reward_v_head, step_prompts, args, eos_token_ids,
                                        pad_token_id, len(step_prompts),
-                                       _prompt_width(*step_prompts) + _fake_image_length(mm), mm)
+                                       _prompt_width(*step_prompts) + _fake_media_length(mm), mm)
     return stats, responses, lora_state_dict(trainable["lora"]), value_head_state_dict(trainable["v_head"])
 
 
@@ -808,7 +808,7 @@ def train_ppo(model_dir, tokenizer_dir, data_dir, reward_model_dir, args: PPOArg
     policy, trainable = load_policy(model_dir, args)
     # M-RoPE models: LF's collator asks the model for positions
     mm = make_collator(args, tokenizer_dir, data_dir=data_dir, rope_index=getattr(policy.module, "rope_index", None)).mm
-    width = _prompt_width(train, held_out) + _fake_image_length(mm)  # one static prompt width
+    width = _prompt_width(train, held_out) + _fake_media_length(mm)  # one static prompt width
     reward, reward_v_head = load_reward_model(reward_model_dir)
     eval_before = evaluate_reward(policy, trainable["lora"], reward, reward_v_head, held_out, args, eos_token_ids,
                                   pad_token_id, width, mm)

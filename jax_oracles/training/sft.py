@@ -28,7 +28,7 @@ from jax_oracles.models import auto
 
 from .collator import MultimodalContext, SFTDataCollator, collated_positions
 from .lora import LoraConfig, init_lora_tree, lora_state_dict, lora_tree_from_state_dict
-from .mm_plugin import fake_image_input_ids
+from .mm_plugin import fake_input_ids
 from .loss import IGNORE_INDEX, causal_lm_loss
 from .optimizer import LR_MULTIPLIERS, create_optimizer, decay_parameter_names
 from .processor import preprocess_supervised_dataset
@@ -36,8 +36,8 @@ from .template import get_template, load_tokenizer
 
 __all__ = ["TrainArgs", "SFTResult", "lora_config", "media_dir", "load_processed_dataset", "multimodal_context",
            "make_collator", "MODEL_INPUTS", "model_inputs", "step_example_indices",
-           "num_training_steps", "CausalLM", "load_model", "IMAGE_FEATURES", "encode_images", "sft_step_loss_and_grads",
-           "train_steps",
+           "num_training_steps", "CausalLM", "load_model", "IMAGE_FEATURES", "AUDIO_FEATURES", "encode_images",
+           "encode_audio", "sft_step_loss_and_grads", "train_steps",
            "mean_of_batch_losses", "evaluate_loss", "train_sft"]
 
 _peft_state_dict = lora_state_dict  # for functions whose lora_state_dict argument shadows the name
@@ -130,11 +130,13 @@ def make_collator(args: TrainArgs, tokenizer_dir=None, pad_to_length: int | None
                            pad_to_length=pad_to_length, mm=mm)
 
 
-MODEL_INPUTS = {"position_ids": np.int32, "pixel_values": np.float32, "image_grid_thw": np.int64}
+MODEL_INPUTS = {"position_ids": np.int32, "pixel_values": np.float32, "image_grid_thw": np.int64,
+                "input_features": np.float32, "feature_attention_mask": np.int32}
 
 
 def model_inputs(batch: dict) -> dict[str, np.ndarray]:
-    """What a vision-language collator adds for the forward (M-RoPE positions, pixels, grids); {} for text."""
+    """What a vision-language collator adds for the forward (M-RoPE positions, pixels, grids, and Omni's audio
+    features with their frame mask); {} for text."""
     return {k: np.asarray(batch[k], dtype) for k, dtype in MODEL_INPUTS.items() if k in batch}
 
 
@@ -178,7 +180,7 @@ def _forward(module, variables, batch):
     positions (its longrope table)."""
     if "position_ids" in batch:
         return module.apply(variables, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
-                            **_image_features(batch))
+                            **_tower_features(batch))
     return module.apply(variables, batch["input_ids"], batch["attention_mask"],
                         collated_positions(batch["attention_mask"]))
 
@@ -239,6 +241,16 @@ def _image_features(batch: dict) -> dict:
     return {k: batch[k] for k in IMAGE_FEATURES if k in batch}
 
 
+# Qwen2.5-Omni's audio tower output, indexed by audio token on axis 0 (reading order): the rows that replace the audio
+# tokens' embeddings. Frozen like the vision tower, so computed outside the step and padded the same way.
+AUDIO_FEATURES = ("audio_embeds",)
+
+
+def _tower_features(batch: dict) -> dict:
+    """Every frozen tower's output the batch carries (image features, audio rows): the forward's keywords."""
+    return {k: batch[k] for k in IMAGE_FEATURES + AUDIO_FEATURES if k in batch}
+
+
 def _as_features(encoded) -> dict:
     """A family's encode_images output as forward keywords: its dict (Qwen3-VL), or the merged patches alone."""
     return dict(encoded) if isinstance(encoded, dict) else {"image_embeds": encoded}
@@ -263,13 +275,35 @@ def encode_images(model: "CausalLM", pixel_values, image_grid_thw) -> dict[str, 
     return {k: np.concatenate([np.asarray(o[k]) for o in out]) for k in out[0]}
 
 
+@functools.lru_cache(maxsize=None)
+def _encode_audio_fn(module, frames: tuple[int, ...], width: int):
+    mask = (np.arange(width)[None] < np.array(frames)[:, None]).astype(np.int32)  # static: the host-side indices
+    return jax.jit(lambda params, features: module.apply({"params": params}, features, mask, method="encode_audio"))
+
+
+def encode_audio(model: "CausalLM", input_features, feature_attention_mask) -> np.ndarray:
+    """f32[A, mel, F], [A, F] -> f32[m, output_dim]: the frozen audio tower's rows of a batch's audios, in reading
+    order (a compile per set of audio lengths: LF's fake audio is always the same 10 frames)."""
+    mask = np.asarray(feature_attention_mask)
+    frames = mask.sum(-1)
+    if not np.array_equal(mask, np.arange(mask.shape[1])[None] < frames[:, None]):
+        raise ValueError("feature_attention_mask must cover each audio's leading frames (the Whisper extractor's)")
+    fn = _encode_audio_fn(model.module, tuple(int(n) for n in frames), mask.shape[1])
+    return np.asarray(fn(model.params, np.asarray(input_features, np.float32)))
+
+
 def _embedded(model: "CausalLM", batch: dict) -> dict:
-    """A collated vision-language batch with its pixels through the tower (the image features instead of
-    pixel_values, grids and rope deltas: what the jitted step takes); a text batch as it is."""
+    """A collated vision-language batch with its media through the frozen towers (the image features, and Omni's
+    audio_embeds, instead of pixel_values, grids, input_features, the frame mask and rope deltas: what the jitted
+    step takes); a text batch as it is."""
     if "pixel_values" not in batch:
         return batch
-    keep = {k: v for k, v in batch.items() if k not in ("pixel_values", "image_grid_thw", "rope_deltas")}
-    return {**keep, **encode_images(model, batch["pixel_values"], batch["image_grid_thw"])}
+    media = ("pixel_values", "image_grid_thw", "rope_deltas", "input_features", "feature_attention_mask")
+    out = {**{k: v for k, v in batch.items() if k not in media},
+           **encode_images(model, batch["pixel_values"], batch["image_grid_thw"])}
+    if "input_features" in batch:
+        out["audio_embeds"] = encode_audio(model, batch["input_features"], batch["feature_attention_mask"])
+    return out
 
 
 def _pad_rows(x, rows: int) -> np.ndarray:
@@ -283,8 +317,8 @@ def _pad_rows(x, rows: int) -> np.ndarray:
 
 def _pad_batch(batch: dict, rows: int, length: int, pad_token_id: int) -> dict[str, np.ndarray]:
     """Right-pad a collated batch to [rows, length]. Pad columns of real rows are masked; filler
-    rows get a full mask (no empty softmax row) and no labels. M-RoPE positions pad with 0, image features
-    with zero rows up to rows * length (the most image tokens the batch can hold)."""
+    rows get a full mask (no empty softmax row) and no labels. M-RoPE positions pad with 0, image features (and
+    audio rows) with zero rows up to rows * length (the most image or audio tokens the batch can hold)."""
     n, t = np.shape(batch["input_ids"])
     ids = np.full((rows, length), pad_token_id, np.int32)
     mask = np.ones((rows, length), np.int32)
@@ -295,7 +329,7 @@ def _pad_batch(batch: dict, rows: int, length: int, pad_token_id: int) -> dict[s
     if "position_ids" in batch:
         out["position_ids"] = np.zeros((3, rows, length), np.int32)
         out["position_ids"][:, :n, :t] = batch["position_ids"]
-    return {**out, **{k: _pad_rows(v, rows * length) for k, v in _image_features(batch).items()}}
+    return {**out, **{k: _pad_rows(v, rows * length) for k, v in _tower_features(batch).items()}}
 
 
 def _filler(like: dict) -> dict[str, np.ndarray]:
@@ -303,7 +337,7 @@ def _filler(like: dict) -> dict[str, np.ndarray]:
     empty = {k: np.zeros((0, 0), np.int32) for k in ("input_ids", "attention_mask", "labels")}
     if "position_ids" in like:
         empty["position_ids"] = np.zeros((3, 0, 0), np.int32)
-    return {**empty, **{k: np.zeros((0, *np.shape(v)[1:]), np.float32) for k, v in _image_features(like).items()}}
+    return {**empty, **{k: np.zeros((0, *np.shape(v)[1:]), np.float32) for k, v in _tower_features(like).items()}}
 
 
 def _stack_step(micro_batches: list[dict], num_micro: int, rows: int, length: int,
@@ -386,13 +420,14 @@ def _evaluate(model: CausalLM, lora, features: list[dict], batch_size: int, leng
 
 
 def _bucket_length(features: list[dict], extra: int = 0) -> int:
-    """The longest row (<= cutoff_len after preprocessing) plus `extra` (LF's fake image on row 0 of an
-    image-free vision-language batch), rounded up to a multiple of 8."""
+    """The longest row (<= cutoff_len after preprocessing) plus `extra` (LF's fake media on row 0 of a
+    vision-language batch), rounded up to a multiple of 8."""
     return -(-(max(len(f["input_ids"]) for f in features) + extra) // 8) * 8
 
 
-def _fake_image_length(mm) -> int:
-    return 0 if mm is None else len(fake_image_input_ids(mm.tokenizer, mm.plugin))
+def _fake_media_length(mm) -> int:
+    """The most tokens LF's collator appends to row 0: the fake image's, and Omni's fake audio's."""
+    return 0 if mm is None else len(fake_input_ids(mm.tokenizer, mm.plugin))
 
 
 def evaluate_loss(model_dir, lora_state_dict: dict | None, eval_features: list[dict], args: TrainArgs,
@@ -404,7 +439,7 @@ def evaluate_loss(model_dir, lora_state_dict: dict | None, eval_features: list[d
     lora = None if lora_state_dict is None else lora_tree_from_state_dict(lora_state_dict)
     mm = None if tokenizer_dir is None else multimodal_context(args, tokenizer_dir, data_dir,
                                                                getattr(model.module, "rope_index", None))
-    length = _bucket_length(eval_features, _fake_image_length(mm))
+    length = _bucket_length(eval_features, _fake_media_length(mm))
     collate = None if mm is None else SFTDataCollator(pad_token_id=0, pad_to_length=length, mm=mm)
     return _evaluate(model, lora, eval_features, args.per_device_eval_batch_size, length, collate)
 
@@ -417,7 +452,7 @@ def train_sft(model_dir, tokenizer_dir, data_dir, args: TrainArgs = TrainArgs())
     model = load_model(model_dir, lora_config(args))
     rope_index = getattr(model.module, "rope_index", None)  # M-RoPE models: LF's collator asks the model
     mm = multimodal_context(args, tokenizer_dir, data_dir, rope_index)
-    length = _bucket_length(train + held_out, _fake_image_length(mm))  # one static shape for every batch
+    length = _bucket_length(train + held_out, _fake_media_length(mm))  # one static shape for every batch
     collate = make_collator(args, tokenizer_dir, pad_to_length=length, data_dir=data_dir, rope_index=rope_index)
     eval_collate = None if mm is None else SFTDataCollator(pad_token_id=0, pad_to_length=length, mm=mm)
     lora = init_lora_tree(model.params, lora_config(args), args.seed)

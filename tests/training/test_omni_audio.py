@@ -277,3 +277,60 @@ def test_qwen2_omni_tokenizer():
         tok = template_mod.get_template("qwen2_omni").fix_special_tokens(template_mod.load_tokenizer(TOKENIZER))
         assert (tok.eos_token_id, tok.pad_token_id) == (IM_END, PAD)
         assert tok.encode("<|audio_bos|><|AUDIO|><|audio_eos|>") == hf.encode("<|audio_bos|><|AUDIO|><|audio_eos|>")
+
+
+# ---- training ----------------------------------------------------------------------------------------------------
+
+def test_jax_step_batch_carries_the_audio_rows(omni):
+    """The JAX trainer's audio: the frozen tower run outside the step on the collated features, reading only the
+    masked frames (the 10 of the fake audio), its rows padded with zeros to the static count like the image features
+    (the tower's numbers against the torch source: tests/models/test_qwen2_omni_model.py)."""
+    from jax_oracles.training import sft as jsft
+    batch = _collate(omni, "jax", "supervised", _without_images(omni, "jax"), pad_to_length=128)
+    model = jsft.load_model(CKPT)
+    rows = jsft.encode_audio(model, batch["input_features"], batch["feature_attention_mask"])
+    noisy = batch["input_features"].copy()
+    noisy[..., 10:] = np.random.default_rng(2).standard_normal(noisy[..., 10:].shape)
+    assert rows.shape == (2, 64) and np.isfinite(rows).all()
+    np.testing.assert_array_equal(jsft.encode_audio(model, noisy, batch["feature_attention_mask"]), rows)
+    text = {k: batch[k] for k in ("input_ids", "attention_mask", "labels", "position_ids")}
+    padded = jsft._pad_batch({**text, "audio_embeds": rows}, 4, 128, PAD)
+    assert padded["audio_embeds"].shape == (4 * 128, 64) and not padded["audio_embeds"][2:].any()
+    np.testing.assert_array_equal(padded["audio_embeds"][:2], rows)
+    assert jsft._filler(padded)["audio_embeds"].shape == (0, 64)
+    with pytest.raises(ValueError, match="leading frames"):
+        jsft.encode_audio(model, noisy, batch["feature_attention_mask"][:, ::-1])
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float(np.abs(np.asarray(a[k]) - np.asarray(b[k])).max()) for k in a)
+
+
+@pytest.mark.slow
+def test_omni_sft_end_to_end_matches():
+    """qwen2_omni SFT on the VL rows (LF's fake audio in every batch, the fake image in the image-free ones): the
+    torch source runs both towers in its forward, the JAX oracle feeds their outputs computed outside the step."""
+    from jax_oracles.training import sft as jsft
+    from torch_sources.training import sft as tsft
+    kw = dict(template="qwen2_omni", cutoff_len=CUTOFF, num_train_epochs=1)
+    want = tsft.train_sft(CKPT, TOKENIZER, ROOT / "assets/data/sft_vl", tsft.TrainArgs(**kw))
+    got = jsft.train_sft(CKPT, TOKENIZER, ROOT / "assets/data/sft_vl", jsft.TrainArgs(**kw))
+    np.testing.assert_allclose(got.step_losses, want.step_losses, rtol=1e-5)
+    np.testing.assert_allclose([got.eval_loss_before, got.eval_loss_after],
+                               [want.eval_loss_before, want.eval_loss_after], rtol=1e-5)
+    assert _max_diff(got.lora_state_dict, want.lora_state_dict) < 1e-5
+    assert want.eval_loss_after < want.eval_loss_before - 0.1
+
+
+@pytest.mark.slow
+def test_omni_dpo_end_to_end_matches():
+    """qwen2_omni DPO: the pairwise collator's fake audio on the first chosen row, the audio rows padded with the
+    image features through the JAX pairs' static shape."""
+    from jax_oracles.training import dpo as jdpo
+    from torch_sources.training import dpo as tdpo
+    kw = dict(template="qwen2_omni", cutoff_len=CUTOFF, num_train_epochs=2)
+    want = tdpo.train_dpo(CKPT, TOKENIZER, ROOT / "assets/data/dpo_vl", tdpo.DPOArgs(**kw))
+    got = jdpo.train_dpo(CKPT, TOKENIZER, ROOT / "assets/data/dpo_vl", jdpo.DPOArgs(**kw))
+    np.testing.assert_allclose(got.step_losses, want.step_losses, rtol=1e-5, atol=1e-6)
+    assert _max_diff(got.lora_state_dict, want.lora_state_dict) < 3e-5

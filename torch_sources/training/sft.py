@@ -151,11 +151,13 @@ def _batch_tensors(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
                  for k in ("input_ids", "attention_mask", "labels"))
 
 
-MODEL_INPUTS = {"position_ids": torch.long, "pixel_values": torch.float32, "image_grid_thw": torch.long}
+MODEL_INPUTS = {"position_ids": torch.long, "pixel_values": torch.float32, "image_grid_thw": torch.long,
+                "input_features": torch.float32, "feature_attention_mask": torch.long}
 
 
 def model_inputs(batch: dict) -> dict[str, torch.Tensor]:
-    """What a vision-language collator adds for the forward (M-RoPE positions, pixels, grids); {} for text."""
+    """What a vision-language collator adds for the forward (M-RoPE positions, pixels, grids, and Omni's audio
+    features with their frame mask); {} for text."""
     return {k: torch.as_tensor(np.asarray(batch[k]), dtype=dtype) for k, dtype in MODEL_INPUTS.items() if k in batch}
 
 
