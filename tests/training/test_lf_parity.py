@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from tools.lf_parity import compare
-from tools.lf_parity.harness import LF_PYTHON, TRL_OVERLAY, lf_arguments, make_job
-from tools.lf_parity.table import failing_cells, render
+from tools.lf_parity.harness import LF_PYTHON, RELEASE_PREPROCESSOR, TRL_OVERLAY, lf_arguments, make_job
+from tools.lf_parity.table import failing_cells, render, write_table
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,6 +72,76 @@ def test_the_lf_job_is_the_task_config(tmp_path):
         make_job("llama3-core", tmp_path)
 
 
+def test_batch_comparison_is_exact_on_integers_and_reads_lf_positions_row_zero():
+    pos = np.arange(2 * 3 * 5).reshape(3, 2, 5)
+    ours = {"input_ids": np.ones((2, 5), np.int64), "image_grid_thw": np.array([[1, 4, 4]]), "position_ids": pos,
+            "pixel_values": np.zeros((16, 4), np.float32)}
+    lf = {**ours, "position_ids": np.concatenate([pos[:1], pos])}  # LF prepends the temporal row (text positions)
+    same = compare.compare_batches([lf], [ours])
+    assert same["error"] is None and same["max_abs"] == 0 and compare.within(same)
+    near = compare.compare_batches([{**lf, "pixel_values": lf["pixel_values"] + 5e-7}], [ours])
+    assert near["error"] is None and compare.within(near)
+    far = compare.compare_batches([{**lf, "pixel_values": lf["pixel_values"] + 2e-6}], [ours])
+    assert not compare.within(far) and compare.within(far, 1e-5)  # the cell's own tolerance (1e-6) judges it
+    grid = compare.compare_batches([{**lf, "image_grid_thw": np.array([[1, 4, 6]])}], [ours])
+    assert "batch 0 image_grid_thw[0, 2]" in grid["error"]
+    wrong_row0 = compare.compare_batches([{**lf, "position_ids": np.concatenate([pos[:1] + 1, pos])}], [ours])
+    assert "row 0" in wrong_row0["error"]
+    assert "keys differ" in compare.compare_batches([{**lf, "rope_deltas": np.zeros((2, 1))}], [ours])["error"]
+    assert "2 batches from LF" in compare.compare_batches([lf, lf], [ours])["error"]
+    assert compare.compare_batches(None, [ours])["error"]
+
+
+def test_a_finding_marks_a_cell_and_still_fails_it():
+    record = {"task": "t", "cells": {"tokens": {"rows": 2, "error": None},
+                                     "losses": {"max_abs": 0.02, "n": 3, "error": None, "finding": "LF's own rule"}}}
+    assert failing_cells(record) == ["losses"]
+    assert "2.0e-02 **> 1e-5** [1]" in render([record]) and "[1] LF's own rule" in render([record])
+
+
+def test_writing_some_tasks_keeps_the_other_rows_and_their_notes(tmp_path):
+    doc = tmp_path / "PARITY.md"
+    old = {"task": "a-sft", "cells": {"tokens": {"rows": 2, "error": None},
+                                      "metrics": {"max_abs": None, "n": 0, "error": None, "reason": "old note"},
+                                      "sdpa.losses": {"max_abs": 3e-6, "n": 1, "error": None, "reason": "sdpa note"}}}
+    write_table([old], doc)
+    doc.write_text("intro\n" + doc.read_text())
+    new = {"task": "b-sft", "cells": {"tokens": {"rows": 4, "error": None},
+                                      "metrics": {"max_abs": None, "n": 0, "error": None, "reason": "new note"}}}
+    write_table([new], doc)
+    text = doc.read_text()
+    assert text.startswith("intro\n") and text.count("parity-table:begin") == 1
+    rows = {}  # each task's parity row (its first; the effects table's comes after)
+    for line in text.splitlines():
+        if line.startswith("| "):
+            rows.setdefault(line.split("|")[1].strip(), line)
+    assert "identical (2 rows)" in rows["a-sft"] and "identical (4 rows)" in rows["b-sft"]
+    notes = {line.split("] ", 1)[1].strip(): line.split("]")[0] + "]" for line in text.splitlines()
+             if line.startswith("[")}
+    assert notes.keys() == {"old note", "sdpa note", "new note"}
+    assert f"n/a {notes['old note']}" in rows["a-sft"] and f"n/a {notes['new note']}" in rows["b-sft"]
+    assert f"3.0e-06 {notes['sdpa note']}" in text
+    write_table([{**old, "cells": {**old["cells"], "tokens": {"rows": 3, "error": None}}}], doc)  # a task redone
+    assert "identical (3 rows)" in doc.read_text() and "identical (2 rows)" not in doc.read_text()
+
+
+def test_the_lf_job_of_a_vl_task_carries_its_images(tmp_path):
+    job = make_job("qwen2-vl-sft", tmp_path)
+    assert job.mm and job.media_dir == job.data and job.model_type == "qwen2_vl"
+    args = lf_arguments(job)
+    assert args["media_dir"] == str(job.data) and args["template"] == "qwen2_vl" and args["cutoff_len"] == 128
+    columns = json.loads((tmp_path / "data" / "dataset_info.json").read_text())["t2j_train"]["columns"]
+    assert columns["images"] == "images" and "history" not in columns  # the VL data has no history column
+    config = json.loads((tmp_path / "model" / "preprocessor_config.json").read_text())
+    assert config == RELEASE_PREPROCESSOR["qwen2_vl"] and config["processor_class"] == "Qwen2VLProcessor"
+    # the release's settings are the source's plugin's (tests/models/test_vision_processing.py holds both to HF)
+    from torch_sources.models.vision_processing import QwenImageProcessorConfig
+    assert QwenImageProcessorConfig.from_hf(config) == QwenImageProcessorConfig.qwen2_vl()
+    text = make_job("llama3-sft", tmp_path / "text")
+    assert not text.mm and "media_dir" not in lf_arguments(text)
+    assert not (tmp_path / "text" / "model" / "preprocessor_config.json").exists()
+
+
 def test_the_torchaudio_stand_in_imports_and_refuses_use():
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from lf_child import install_torchaudio_standin as s; "
             "assert s(); import torchaudio, importlib.util; assert importlib.util.find_spec('torchaudio'); "
@@ -81,12 +151,27 @@ def test_the_torchaudio_stand_in_imports_and_refuses_use():
     assert out.stdout.strip() == "ok", out.stderr
 
 
+# Cells known to differ from LLaMA-Factory, each with the finding that explains it (parity.MM_LOSS: LF 0.9.5's SFT
+# trainer normalizes a multimodal model's loss per micro-batch; the torch source does not, yet). The test pins the
+# set: when the source follows LF, it empties and this entry goes.
+KNOWN_DIFFERENCES = {"qwen2-vl-sft": ["losses", "adapter", "eval"]}
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not (LF_PYTHON.exists() and TRL_OVERLAY.exists()), reason="no .venv-lf: run `make lf-env`")
-@pytest.mark.parametrize("task", ["llama3-sft", "llama3-dpo", "llama3-ppo"])
+@pytest.mark.parametrize("task", ["llama3-sft", "llama3-dpo", "llama3-ppo", "qwen2-vl-sft"])
 def test_llamafactory_parity_one_task_per_method(task, tmp_path):
-    from tools.lf_parity.parity import task_parity
+    from tools.lf_parity.parity import HF_LOSS_KWARGS, MM_LOSS, task_parity
 
     record = task_parity(task, tmp_path, train_variants=task == "llama3-sft", ppo_effects=False)
-    assert failing_cells(record) == [], {k: v for k, v in record["cells"].items() if k in failing_cells(record)}
-    assert {"tokens", "losses", "adapter"} <= set(record["cells"])
+    cells = record["cells"]
+    known = KNOWN_DIFFERENCES.get(task, [])
+    assert failing_cells(record) == known, {k: v for k, v in cells.items() if k in failing_cells(record)}
+    assert {"tokens", "losses", "adapter"} <= set(cells)
+    assert all(cells[name].get("finding") == MM_LOSS for name in known)
+    if known:  # LF with HF's own loss normalization restored matches, batches included
+        aligned = [name for name in cells if name.startswith(HF_LOSS_KWARGS + ".")]
+        assert {f"{HF_LOSS_KWARGS}.{n}" for n in ("losses", "adapter", "eval", "batches")} <= set(aligned)
+        assert all(compare.within(cells[name]) for name in aligned)
+    if task.startswith("qwen2-vl"):  # LF's collator and the source's, batch for batch: pixels, grids, positions
+        assert cells["batches"]["error"] is None and cells["batches"]["max_abs"] == 0 and cells["batches"]["batches"]

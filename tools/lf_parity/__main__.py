@@ -1,7 +1,8 @@
 """python -m tools.lf_parity task=llama3-sft|all|a,b [out=reports/lf_parity] [table=docs/LF_PARITY.md]
 [train_variants=true] [ppo_effects=llama3-ppo|all|none]: each training task through LLaMA-Factory (in .venv-lf,
 `make lf-env`) and through the torch source; one json per task under out/, and the table (task x tokens, losses,
-adapter, eval, metrics) when asked. train_variants: the train_on_prompt and sdpa runs; ppo_effects: the PPO tasks
+adapter, eval, metrics) when asked: the tasks with a record under out/ are rendered from it, every other row of
+the file's table is kept as it was (table.write_table), so a run of some tasks loses none. train_variants: the train_on_prompt and sdpa runs; ppo_effects: the PPO tasks
 whose LF-as-it-is runs (one alignment left out at a time, four more LF runs each) are measured.
 only=template: LF's template of each task (one untrained LF run each, seconds) into the existing records.
 Exit status 1 when a comparable cell is off by more than 1e-5 or a cell could not be compared for a reason

@@ -16,6 +16,10 @@ import math
 import numpy as np
 
 TOLERANCE = 1e-5  # issue 31: every comparable quantity within 1e-5 of LLaMA-Factory's
+PIXEL_TOLERANCE = 1e-6  # issue 32: the collated pixel values, exact or within 1e-6 (a cell's own "tolerance")
+# the collated batch's float tensors (max abs difference); every other tensor (ids, masks, labels, image grids,
+# M-RoPE positions and deltas) is compared exactly
+FLOAT_BATCH_KEYS = ("pixel_values",)
 
 
 def _first_token_difference(lf_rows: list[dict], rows: list[dict]) -> str | None:
@@ -84,6 +88,44 @@ def compare_adapters(lf: dict | None, source: dict) -> dict:
     return merge(results)
 
 
+def compare_batches(lf: list[dict] | None, source: list[dict]) -> dict:
+    """LF's collated training batches (what its trainer was handed, in order) against the source collator's on
+    the same rows: every integer tensor exactly, the float ones (FLOAT_BATCH_KEYS) by max abs difference, judged at
+    PIXEL_TOLERANCE. LF's position_ids carry a 4th row in front (its collator prepends a copy of the temporal
+    row: transformers' text positions); rows 1-3 are compared with the source's 3, and row 0 with row 1."""
+    if not lf:
+        return {"max_abs": None, "n": 0, "error": "LF recorded no batches", "tolerance": PIXEL_TOLERANCE}
+    if len(lf) != len(source):
+        return {"max_abs": None, "n": 0, "error": f"{len(lf)} batches from LF, {len(source)} from the source",
+                "tolerance": PIXEL_TOLERANCE}
+    n, worst, errors = 0, 0.0, []
+    for i, (a, b) in enumerate(zip(lf, source)):
+        a = {k: np.asarray(v) for k, v in a.items()}
+        if "position_ids" in a and a["position_ids"].ndim == 3 and a["position_ids"].shape[0] == 4:
+            if not np.array_equal(a["position_ids"][0], a["position_ids"][1]):
+                errors.append(f"batch {i}: LF's position_ids row 0 is not its temporal row")
+            a["position_ids"] = a["position_ids"][1:]
+        if a.keys() != b.keys():
+            errors.append(f"batch {i}: keys differ: LF only {sorted(a.keys() - b.keys())}, source only "
+                          f"{sorted(b.keys() - a.keys())}")
+        for key in sorted(a.keys() & b.keys()):
+            x, y = a[key], np.asarray(b[key])
+            if x.shape != y.shape:
+                errors.append(f"batch {i} {key}: shapes LF {x.shape}, source {y.shape}")
+                continue
+            n += x.size
+            if key not in FLOAT_BATCH_KEYS:
+                if not np.array_equal(x, y):
+                    at = tuple(int(j) for j in np.argwhere(x != y)[0])
+                    errors.append(f"batch {i} {key}{list(at)}: LF {x[at]}, source {y[at]}")
+            elif x.size:
+                worst = max(worst, float(np.abs(x.astype(np.float64) - y.astype(np.float64)).max()))
+        if errors:
+            break  # the first batch that differs
+    return {"max_abs": worst, "max_scaled": worst, "n": n, "error": "; ".join(errors) or None,
+            "tolerance": PIXEL_TOLERANCE, "batches": len(lf)}
+
+
 def merge(results: list[dict]) -> dict:
     """Several comparisons as one cell: the worst difference, the first error."""
     errors = [r["error"] for r in results if r.get("error")]
@@ -93,7 +135,9 @@ def merge(results: list[dict]) -> dict:
             "n": sum(r.get("n", 0) for r in results), "error": "; ".join(errors) or None}
 
 
-def within(cell: dict, tolerance: float = TOLERANCE) -> bool:
-    """No error, something compared, and the scaled difference (max_abs where a cell has no scale) in tolerance."""
+def within(cell: dict, tolerance: float | None = None) -> bool:
+    """No error, something compared, and the scaled difference (max_abs where a cell has no scale) in tolerance
+    (the cell's own "tolerance" where it has one, else TOLERANCE)."""
+    tolerance = tolerance if tolerance is not None else cell.get("tolerance", TOLERANCE)
     judged = cell.get("max_scaled", cell.get("max_abs"))
     return cell.get("error") is None and judged is not None and not math.isnan(judged) and judged <= tolerance

@@ -5,6 +5,11 @@ args become LF's YAML keys, the family's template LF's `template`, the task's da
 The torch source runs the same task from the same config (its method's entry point, as the recorder does), so
 every quantity is compared with what the references were recorded from (`python -m recorder stale=true` ties
 the references to that source). The child (lf_child.py) runs under .venv-lf.
+
+A task whose data rows carry `images` (the vision-language families) also gives LF the `images` column, the
+data dir as LF's `media_dir`, the release's preprocessor_config.json in LF's model dir (the shipped checkpoints
+have none) and the module renames between transformers 5's tree and the release's (adapter names); LF's
+collated batches are recorded and compared with the torch source's collator on the same rows (parity.py).
 """
 
 from __future__ import annotations
@@ -60,6 +65,22 @@ LF_KEYS = ("learning_rate", "num_train_epochs", "per_device_train_batch_size", "
            "dpo_label_smoothing", "pref_ftx", "ppo_epochs", "ppo_buffer_size", "ppo_target", "ppo_whiten_rewards",
            "max_new_tokens", "temperature", "top_k", "top_p")
 # TRL PPOConfig field -> the project's PPOArgs field (the values LF hands TRL, or TRL's defaults LF keeps)
+# The release's preprocessor_config.json of a vision-language checkpoint, by model_type (Qwen2-VL-2B-Instruct's,
+# verbatim; tests/models/test_vision_processing.py HF_KWARGS holds the same settings). LF's load_tokenizer builds
+# its processor from it with AutoProcessor: transformers 5.6 picks Qwen2VLImageProcessorPil where torchvision is
+# absent (its torchvision backend otherwise), which the source is bit-equal to; lf_child records the class it got
+RELEASE_PREPROCESSOR = {
+    "qwen2_vl": {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
+                 "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                 "image_std": [0.26862954, 0.26130258, 0.27577711], "image_processor_type": "Qwen2VLImageProcessor",
+                 "processor_class": "Qwen2VLProcessor"},
+}
+# transformers 5 loads a Qwen-VL release into its own module tree: the decoder under model.language_model, the
+# tower under model.visual, where the release (and the torch source's PEFT names) keep model.* and visual.*
+ADAPTER_RENAMES = {
+    "qwen2_vl": [["base_model.model.model.language_model.", "base_model.model.model."],
+                 ["base_model.model.model.visual.", "base_model.model.visual."]],
+}
 PPO_CONFIG = {"learning_rate": "learning_rate", "mini_batch_size": "per_device_train_batch_size",
               "batch_size": "batch_size", "gradient_accumulation_steps": "gradient_accumulation_steps",
               "ppo_epochs": "ppo_epochs", "max_grad_norm": "max_grad_norm", "target": "ppo_target",
@@ -81,6 +102,18 @@ class Job:
     variants: dict = field(default_factory=dict)
     reward_model: Path | None = None  # PPO: LF's reward_model (full), for its argument checks
     lf_overrides: dict = field(default_factory=lambda: dict(LF_EAGER))  # LF-only arguments
+    media_dir: Path | None = None  # rows with images: LF's media_dir (the args' media_dir, else the data dir)
+    model_type: str | None = None  # the checkpoint's (config.json)
+
+    @property
+    def mm(self) -> bool:
+        return self.media_dir is not None
+
+
+def data_has_images(data: Path) -> bool:
+    """Whether any train or eval row of the task's data carries an `images` column."""
+    return any("images" in row for split in ("train", "eval") if (data / f"{split}.json").exists()
+               for row in json.loads((data / f"{split}.json").read_text()))
 
 
 def make_job(task: str, work: Path, overrides: dict | None = None, train: bool = True,
@@ -92,21 +125,32 @@ def make_job(task: str, work: Path, overrides: dict | None = None, train: bool =
     workflow = importlib.import_module(f"torch_sources.{cfg.method.workflow}")
     args = getattr(workflow, cfg.method.args)(**dict(cfg.method.train), template=cfg.family.template)
     args = replace(args, **(overrides or {}))
-    return Job(task, method, args, ROOT / cfg.family.checkpoint, ROOT / cfg.family.tokenizer, ROOT / cfg.data.dir,
+    data, checkpoint = ROOT / cfg.data.dir, ROOT / cfg.family.checkpoint
+    media = None
+    if data_has_images(data):  # as the source resolves it (sft.media_dir)
+        media = Path(args.media_dir) if getattr(args, "media_dir", None) is not None else data
+    return Job(task, method, args, checkpoint, ROOT / cfg.family.tokenizer, data,
                work, train, TOKEN_VARIANTS[method],
                ROOT / cfg.method.reward_model if "reward_model" in cfg.method else None,
-               {**LF_EAGER, **(lf_overrides or {})})
+               {**LF_EAGER, **(lf_overrides or {})}, media,
+               json.loads((checkpoint / "config.json").read_text()).get("model_type"))
 
 
 def model_dir(job: Job, checkpoint: Path | None = None, name: str = "model") -> Path:
     """LF reads the tokenizer from model_name_or_path (the reward model's too): the checkpoint's files and the
-    tokenizer's, linked."""
+    tokenizer's, linked; a vision-language policy's also gets the release's preprocessor_config.json (LF's
+    load_tokenizer builds the processor from it)."""
     out = job.work / name
     out.mkdir(parents=True, exist_ok=True)
     for src in [*(checkpoint or job.checkpoint).iterdir(), *job.tokenizer.iterdir()]:
         link = out / src.name
         if not link.exists():
             link.symlink_to(src.resolve())
+    if job.mm and checkpoint is None:
+        if job.model_type not in RELEASE_PREPROCESSOR:
+            raise NotImplementedError(f"no release preprocessor_config.json for {job.model_type!r} "
+                                      f"(harness.RELEASE_PREPROCESSOR): LF could not build its processor")
+        (out / "preprocessor_config.json").write_text(json.dumps(RELEASE_PREPROCESSOR[job.model_type], indent=2))
     return out
 
 
@@ -116,6 +160,13 @@ def lf_arguments(job: Job) -> dict:
     data_dir = job.work / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     info = {}
+    if job.mm:
+        columns = {**columns, "images": "images"}
+        # LF reads every mapped column of each row (a KeyError where the file has none: the VL data has no
+        # history or system); the text data carries them all
+        present = {key for split in ("train", "eval") for row in json.loads((job.data / f"{split}.json").read_text())
+                   for key in row}
+        columns = {k: v for k, v in columns.items() if v in present}
     for split in ("train", "eval"):
         entry = {"file_name": str((job.data / f"{split}.json").resolve()), "formatting": "alpaca",
                  "columns": columns}
@@ -133,6 +184,8 @@ def lf_arguments(job: Job) -> dict:
         "plot_loss": False, "trust_remote_code": False,
     })
     args["eval_dataset"] = "t2j_eval"
+    if job.mm:  # LF's default is the dataset_info dir (work/data); the rows' image names are the data dir's
+        args["media_dir"] = str(job.media_dir)
     args.update(job.lf_overrides)
     if job.method == "ppo":
         args.update({"reward_model": str(model_dir(job, job.reward_model, "reward_model")),
@@ -173,6 +226,20 @@ def project_run(job: Job):
     return getattr(workflow, cfg.method.entry)(*paths, job.args)
 
 
+def project_batches(job: Job) -> list[dict]:
+    """The torch source's collated training micro-batches in the project's order (LF's train sampler is
+    injected with it): its method's collator over the processed train rows, with the model's rope_index (a
+    vision-language collator's position ids) -- what LF's trainer is handed, batch for batch."""
+    cfg = compose_task(job.task)
+    workflow = importlib.import_module(f"torch_sources.{cfg.method.workflow}")
+    rows = project_rows(job, "train", {})
+    rope_index = getattr(sft.load_model(job.checkpoint), "rope_index", None)
+    collate = workflow.make_collator(job.args, job.tokenizer, data_dir=job.data, rope_index=rope_index)
+    B = job.args.per_device_train_batch_size
+    return [{k: v.numpy() for k, v in collate([rows[i] for i in order[s:s + B]]).items()}
+            for order in project_order(job, len(rows)) for s in range(0, len(order), B)]
+
+
 def ppo_injections(job: Job, result) -> dict:
     """What LF's PPO run is handed from the project's own run (result: its PPOResult): each step's rollouts
     (queries = the step's prompts, responses = the cut responses the project sampled), each step's mini-batch
@@ -207,7 +274,9 @@ def run_lf(job: Job, timeout_s: float = 1800, extra: dict | None = None) -> dict
     spec = {"stage": job.method, "lf_stage": METHODS[job.method][1], "workflow": METHODS[job.method][2][0],
             "trainer": METHODS[job.method][2][1],
             "args": args, "train": job.train, "variants": job.variants,
-            "orders": project_order(job, n_train) if job.train and job.method != "ppo" else None, **extra}
+            "orders": project_order(job, n_train) if job.train and job.method != "ppo" else None,
+            "mm": job.mm, "record_batches": job.mm and job.train and job.method != "ppo",
+            "adapter_renames": ADAPTER_RENAMES.get(job.model_type, []), **extra}
     (job.work / "job.json").write_text(json.dumps(spec, indent=1))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     if job.method == "ppo" and job.train:
@@ -230,5 +299,18 @@ def run_lf(job: Job, timeout_s: float = 1800, extra: dict | None = None) -> dict
     result = json.loads((job.work / "lf" / "result.json").read_text())
     result["wall_s"] = time.perf_counter() - start
     adapter = job.work / "lf_out" / "adapter_model.safetensors"
-    result["adapter"] = load_file(str(adapter)) if adapter.exists() else None
+    renames = ADAPTER_RENAMES.get(job.model_type, [])
+    result["adapter"] = ({release_name(k, renames): v for k, v in load_file(str(adapter)).items()}
+                         if adapter.exists() else None)
+    batches = job.work / "lf" / "batches"
+    result["batches"] = ([load_file(str(f)) for f in sorted(batches.glob("*.safetensors"))]
+                         if result.get("batches") else None)
     return result
+
+
+def release_name(name: str, renames) -> str:
+    """lf_child.release_name (that file runs in .venv-lf and is not imported here)."""
+    for lf_prefix, release_prefix in renames or ():
+        if name.startswith(lf_prefix):
+            return release_prefix + name[len(lf_prefix):]
+    return name

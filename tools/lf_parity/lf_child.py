@@ -11,10 +11,16 @@ What is injected, and nothing else:
   numpy's permutation of seed + epoch);
 - a torchaudio stand-in, only where torchaudio is absent: llamafactory/data/mm_plugin.py imports it at module
   level and uses it only to load audio (README.md, "The environment");
+- images (job "mm"), only where torchvision is absent: no video processor (`install_no_video_processor`), since
+  transformers 5.6 builds every video processor on torchvision and Qwen2VLProcessor loads one unconditionally;
+- SFT/DPO with job "hf_loss_kwargs" only: the trainer's model_accepts_loss_kwargs set back to what HF's own rule
+  gives (LF turns it off whenever a processor is loaded; README.md, "Vision-language tasks");
 - PPO (train_ppo): the project's value head init, its rollouts at get_inputs and TRL's mini-batch orders, two
   transformers-5 shims LF 0.9.5's PPO trainer needs, and the alignments the job asks for (amp, clip_every_step,
   no_decay_is_zero, sync_by_count: README.md, "Aligned in the compared run").
-What is observed: the tokenized rows (LF's get_dataset, per variant), the loss each optimizer step returns
+What is observed: the tokenized rows (LF's get_dataset, per variant; with images, each row's resolved image
+paths), the template and (with images) its mm plugin and the processor LF loaded, every batch LF's collator hands
+the trainer (job "record_batches": lf/batches/NNN.safetensors), the loss each optimizer step returns
 (the sum of HF's training_step over the step's micro-batches), LF's logged metrics, HF's evaluate() before and
 after training (every eval_* metric), and the adapter LF saved. All of it goes to WORK_DIR/lf/.
 """
@@ -46,6 +52,28 @@ def install_torchaudio_standin() -> bool:
     return True
 
 
+def install_no_video_processor() -> bool:
+    """Qwen-VL processors without a video processor, where torchvision is absent. True when it was needed.
+
+    transformers 5.6's Qwen2VLProcessor loads its video processor through AutoVideoProcessor whatever the
+    checkpoint's files say, and every video processor is a BaseVideoProcessor, which requires torchvision (its
+    image processor falls back to the PIL backend, its video processor has none). Dropping `video_processor`
+    from the processor's attributes builds it from the image processor and the tokenizer alone; LF's plugin then
+    finds no `video_processor` attribute, so its input check falls back to the image processor (getattr's
+    default) and it reads the video processor only to process videos, which the data has none of."""
+    if importlib.util.find_spec("torchvision") is not None:
+        return False
+    from transformers.processing_utils import ProcessorMixin
+
+    attributes = ProcessorMixin.get_attributes.__func__
+
+    def get_attributes(cls):
+        return [a for a in attributes(cls) if a != "video_processor"]
+
+    ProcessorMixin.get_attributes = classmethod(get_attributes)
+    return True
+
+
 TEMPLATE_FIELDS = ("default_system", "stop_words", "thought_words", "efficient_eos", "replace_eos", "enable_thinking",
                    "preserve_thinking")
 
@@ -64,9 +92,44 @@ def template_facts(template, tokenizer) -> dict:
     return facts
 
 
+MM_PLUGIN_FIELDS = ("image_token", "video_token", "audio_token", "vision_bos_token", "vision_eos_token",
+                    "expand_mm_tokens")
+IMAGE_PROCESSOR_FIELDS = ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std", "do_resize",
+                          "resample", "do_rescale", "rescale_factor", "do_normalize", "do_convert_rgb")
+
+
+def mm_facts(template, processor) -> dict | None:
+    """A template with an image token: its plugin (LF's name for it, its tokens), the pixel bounds LF's
+    patch_processor put on the processor, and the image processor LF loaded (its class and settings, size as
+    min/max pixels)."""
+    from llamafactory.data.mm_plugin import PLUGINS
+
+    plugin = template.mm_plugin
+    if getattr(plugin, "image_token", None) is None:
+        return None
+    facts = {"plugin": next((k for k, v in PLUGINS.items() if v is type(plugin)), type(plugin).__name__),
+             **{k: getattr(plugin, k, None) for k in MM_PLUGIN_FIELDS}}
+    if processor is None:
+        return {**facts, "processor": None}
+    image = processor.image_processor
+    size = dict(getattr(image, "size", None) or {})
+    facts.update(processor=type(processor).__name__, image_processor=type(image).__name__,
+                 image_max_pixels=getattr(processor, "image_max_pixels", None),
+                 image_min_pixels=getattr(processor, "image_min_pixels", None),
+                 min_pixels=size.get("shortest_edge"), max_pixels=size.get("longest_edge"),
+                 **{k: (list(v) if isinstance(v, tuple) else v) for k in IMAGE_PROCESSOR_FIELDS
+                    for v in [getattr(image, k, None)]})
+    facts["resample"] = int(facts["resample"]) if facts["resample"] is not None else None
+    return facts
+
+
 def _rows(dataset) -> list[dict]:
     keep = [c for c in dataset.column_names if c.endswith(("input_ids", "labels"))]
-    return [{c: list(row[c]) for c in keep} for row in dataset]
+    rows = [{c: list(row[c]) for c in keep} for row in dataset]
+    if "images" in dataset.column_names:  # LF's resolved paths (media_dir/name), None for a row without images
+        for row, images in zip(rows, dataset["images"]):
+            row["images"] = [str(i) for i in images or []]
+    return rows
 
 
 def main(work: Path) -> None:
@@ -74,6 +137,7 @@ def main(work: Path) -> None:
     out = work / "lf"
     out.mkdir(exist_ok=True)
     shim = install_torchaudio_standin()
+    no_video = install_no_video_processor() if job.get("mm") else False
 
     import torch
 
@@ -83,7 +147,7 @@ def main(work: Path) -> None:
     from llamafactory.model import load_tokenizer
 
     torch.use_deterministic_algorithms(True)
-    seen: dict = {"datasets": {}, "step_losses": [], "micro": [], "logs": [], "eval_before": None}
+    seen: dict = {"datasets": {}, "step_losses": [], "micro": [], "logs": [], "eval_before": None, "batches": []}
 
     # ---- tokens: LF's get_dataset under every variant's arguments (no training) ----
     for name, overrides in job["variants"].items():
@@ -101,21 +165,41 @@ def main(work: Path) -> None:
                                   if module.get(f"{split}_dataset") is not None}
         seen.setdefault("pad_token_id", tokenizer_module["tokenizer"].pad_token_id)
         seen.setdefault("template", template_facts(template, tokenizer_module["tokenizer"]))
+        if job.get("mm"):
+            seen.setdefault("mm", mm_facts(template, tokenizer_module["processor"]))
+
+    def write(**more):
+        seen.pop("micro", None)
+        (out / "result.json").write_text(json.dumps({**seen, "torchaudio_standin": shim, "no_video_processor": no_video,
+                                                      "llamafactory": llamafactory.__version__, **more}, default=str))
+
     if job.get("train", True):
-        (train_ppo if job["lf_stage"] == "ppo" else train_sft_or_dpo)(job, work, seen)
-    seen.pop("micro", None)
-    (out / "result.json").write_text(json.dumps({**seen, "torchaudio_standin": shim,
-                                                  "llamafactory": llamafactory.__version__}))
+        try:
+            (train_ppo if job["lf_stage"] == "ppo" else train_sft_or_dpo)(job, work, seen)
+        except Exception as error:  # what was observed before LF stopped (the exit status still says it failed)
+            write(failed=f"{type(error).__name__}: {error}")
+            raise
+    write()
 
 
-def _inject_adapter(model, init: dict, value_head: dict | None = None) -> None:
+def release_name(name: str, renames) -> str:
+    """A PEFT name of LF's model under the checkpoint's own (release) module tree: transformers 5 nests a
+    vision-language model's decoder (`model.language_model.*`, `model.visual.*`) where the release and the torch
+    source keep `model.*` and `visual.*` (the job's adapter_renames: [LF prefix, release prefix])."""
+    for lf_prefix, release_prefix in renames or ():
+        if name.startswith(lf_prefix):
+            return release_prefix + name[len(lf_prefix):]
+    return name
+
+
+def _inject_adapter(model, init: dict, value_head: dict | None = None, renames=()) -> None:
     """The project's initial LoRA (and value head) into LF's freshly built model, by PEFT name."""
     import torch
 
     params = {}
     for n, p in model.named_parameters():
         if ".lora_" in n:
-            params[n.replace(".default", "").replace("pretrained_model.", "")] = p
+            params[release_name(n.replace(".default", "").replace("pretrained_model.", ""), renames)] = p
         elif n.startswith("v_head.") and value_head is not None:
             params["@" + n] = p
     wanted = {**init, **{"@" + k: v for k, v in (value_head or {}).items()}}
@@ -125,6 +209,19 @@ def _inject_adapter(model, init: dict, value_head: dict | None = None) -> None:
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(wanted[name].to(p.dtype))
+
+
+def _hf_accepts_loss_kwargs(trainer) -> bool:
+    """What HF's Trainer.__init__ sets model_accepts_loss_kwargs to for the trainer's model (its own rule:
+    the unwrapped model's accepts_loss_kwargs, else whether its forward takes **kwargs)."""
+    import inspect
+
+    from transformers.trainer import unwrap_peft_model
+
+    model = unwrap_peft_model(trainer.accelerator.unwrap_model(trainer.model))
+    if hasattr(model, "accepts_loss_kwargs"):
+        return bool(model.accepts_loss_kwargs)
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
 
 
 def train_sft_or_dpo(job: dict, work: Path, seen: dict) -> None:
@@ -143,7 +240,7 @@ def train_sft_or_dpo(job: dict, work: Path, seen: dict) -> None:
 
     def load_model_with_project_adapter(*args, **kwargs):
         model = load_model(*args, **kwargs)
-        _inject_adapter(model, init)
+        _inject_adapter(model, init, renames=job.get("adapter_renames"))
         return model
 
     workflow.load_model = load_model_with_project_adapter
@@ -163,10 +260,32 @@ def train_sft_or_dpo(job: dict, work: Path, seen: dict) -> None:
             return iter(order)
 
     trainer_cls._get_train_sampler = lambda self, *a, **k: ProjectOrder(job["orders"])
+    trainer_init = trainer_cls.__init__
+
+    def observed_init(self, *args, **kwargs):
+        trainer_init(self, *args, **kwargs)
+        # LF's SFT trainer sets model_accepts_loss_kwargs = False whenever a processor is loaded (a multimodal
+        # model): each micro-batch is then its own token mean, divided by GA. Observed always; set back to HF's
+        # value for the model only where the job asks (parity.MM_LOSS: the hf_loss_kwargs runs)
+        seen["model_accepts_loss_kwargs"] = {"lf": self.model_accepts_loss_kwargs, "hf": _hf_accepts_loss_kwargs(self)}
+        if job.get("hf_loss_kwargs"):
+            self.model_accepts_loss_kwargs = seen["model_accepts_loss_kwargs"]["hf"]
+
+    trainer_cls.__init__ = observed_init
     training_step = trainer_cls.training_step
 
-    def observed_training_step(self, *args, **kwargs):
-        loss = training_step(self, *args, **kwargs)
+    batches = work / "lf" / "batches"
+    if job.get("record_batches"):
+        batches.mkdir(parents=True, exist_ok=True)
+
+    def observed_training_step(self, model, inputs, *args, **kwargs):
+        if job.get("record_batches"):  # what LF's collator handed the trainer, before the step
+            from safetensors.torch import save_file
+
+            save_file({k: v.detach().contiguous().clone() for k, v in inputs.items() if torch.is_tensor(v)},
+                      str(batches / f"{len(seen['batches']):03d}.safetensors"))
+            seen["batches"].append(sorted(k for k, v in inputs.items() if torch.is_tensor(v)))
+        loss = training_step(self, model, inputs, *args, **kwargs)
         seen["micro"].append(float(loss))
         return loss
 
@@ -246,6 +365,14 @@ def train_ppo(job: dict, work: Path, seen: dict) -> None:
         PreTrainedTokenizerBase.additional_special_tokens_ids = property(additional_special_tokens_ids)
         seen["shims"] = ["tokenizer.additional_special_tokens_ids"]
     trl_ppo = importlib.import_module("trl.trainer.ppo_trainer")
+    remove_unused_columns = trl_ppo.PPOTrainer._remove_unused_columns
+
+    def observed_remove_unused_columns(self, dataset):  # the columns TRL's dataloader keeps of LF's dataset
+        kept = remove_unused_columns(self, dataset)
+        seen["ppo_dataset_columns"] = {"lf": list(dataset.column_names), "trl_kept": list(kept.column_names)}
+        return kept
+
+    trl_ppo.PPOTrainer._remove_unused_columns = observed_remove_unused_columns
     trl_ppo.np = _OrderedNumpy(numpy, [o for step in job["minibatch_orders"] for o in step])
     init = load_file(str(work / "init_adapter.safetensors"))
     value_head = load_file(str(work / "init_value_head.safetensors"))
@@ -253,7 +380,8 @@ def train_ppo(job: dict, work: Path, seen: dict) -> None:
 
     def load_model_with_project_adapter(*args, **kwargs):
         model = load_model(*args, **kwargs)
-        _inject_adapter(model, init, value_head)
+        seen["value_head_in_features"] = model.v_head.summary.in_features
+        _inject_adapter(model, init, value_head, renames=job.get("adapter_renames"))
         if job.get("value_head_dropout") == 0.0:  # the project records the value head without dropout
             model.v_head.dropout = torch.nn.Identity()
         return model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import h5py
@@ -9,8 +10,10 @@ import numpy as np
 
 from catalog.provenance import ROOT
 from torch_sources.training import dpo, ppo, template
+from torch_sources.training.mm_plugin import find_medias
 from tools.lf_parity import compare
-from tools.lf_parity.harness import PPO_CONFIG, Job, make_job, ppo_injections, project_rows, project_run, run_lf
+from tools.lf_parity.harness import (PPO_CONFIG, RELEASE_PREPROCESSOR, Job, make_job, ppo_injections,
+                                     project_batches, project_rows, project_run, run_lf)
 
 SDPA = ("LF's default attention (flash_attn auto) is HF's sdpa where the model has it (bloom: eager), the torch "
         "sources are HF's eager attention (the compared runs ask LF for eager: flash_attn disabled); the two round "
@@ -31,6 +34,30 @@ NOT_COMPARABLE = {
                      "held-out reward is its own measure",
 }
 PPO_LOSSES = ("ppo/loss/policy", "ppo/loss/value", "ppo/loss/total")
+# A vision-language PPO task: LF's own run is attempted (train_ppo as for text, nothing injected yet when it
+# stops) and where it stops is recorded; the run's cells carry this reason and that message
+VL_PPO = ("LF 0.9.5's PPO cannot run a Qwen-VL model (transformers 5.6, TRL 0.9.6): TRL's "
+          "PPOTrainer.prepare_dataloader drops every dataset column its value-head model's forward does not name "
+          "(PPOConfig.remove_unused_columns, True by default; LF leaves it), images and labels among them, so LF's "
+          "multimodal collator sees a batch without images, adds its fake image and writes its IGNORE_INDEX labels "
+          "in front of features[0]['labels'], which is gone; and past that, ppo_train hands get_inputs (generate) "
+          "and the PPO step only input_ids and attention_mask. The value head itself is built (LF's "
+          "configure_visual_model copies text_config.hidden_size to the top-level config). The project's VL PPO "
+          "keeps the images and passes pixels, grids and M-RoPE positions to generation and the forward "
+          "(docs/ARCHITECTURE.md, torch_sources/training/ppo.py)")
+VL_PPO_STOP = "KeyError: 'labels'"  # the message LF's run must stop with for VL_PPO to be the reason
+VL_PPO_CELLS = ("losses", "adapter", "metrics", "config")
+# A finding, not a reason: the cells it marks are still judged (and fail). LF's SFT trainer with a processor (a
+# vision-language task) normalizes the loss its own way; the hf_loss_kwargs runs undo that one flag and show what
+# is left. Attached only where LF's run reports the flag off while HF's own rule has it on.
+MM_LOSS = ("LF 0.9.5's CustomSeq2SeqTrainer sets model_accepts_loss_kwargs = False whenever a processor is loaded "
+           "(any multimodal model: 'avoid wrong loss under gradient accumulation', transformers PR 36044), so HF's "
+           "Trainer passes no num_items_in_batch: each micro-batch's loss is the model's own mean over its own "
+           "shifted labels, divided by GA (the step loss is the mean of the micro-batch means). The torch source "
+           "divides each micro-batch's summed CE by the labelled positions of the whole step (LF's text path: HF's "
+           "rule for a model whose forward takes **kwargs). The hf_loss_kwargs run is LF's run with HF's own "
+           "value of model_accepts_loss_kwargs restored and nothing else changed")
+HF_LOSS_KWARGS = "hf_loss_kwargs"  # the cell prefix of those runs
 
 
 def _reference_step_losses(task: str) -> np.ndarray | None:
@@ -50,9 +77,11 @@ def _dpo_step_metrics(logs: list[dict], names) -> dict[str, list[float]]:
 
 
 def _run_cells(job: Job, lf: dict, result) -> dict:
-    """losses, adapter, eval and metrics of one training run."""
+    """losses, adapter, eval and metrics of one training run (and, with images, its collated batches)."""
     cells = {"losses": compare.compare_values(lf["step_losses"], result.step_losses),
              "adapter": compare.compare_adapters(lf["adapter"], result.lora_state_dict)}
+    if job.mm:
+        cells["batches"] = compare.compare_batches(lf.get("batches"), project_batches(job))
     before, after = lf["eval_before"] or {}, lf["eval_after"] or {}
     if job.method == "sft":
         cells["eval"] = compare.merge([compare.compare_values(before.get("eval_loss"), result.eval_loss_before),
@@ -121,9 +150,82 @@ def _ppo_parity(job: Job, record: dict, effects: bool) -> None:
                 record["cells"][f"{name}.{cell_name}"] = {**cell, "reason": reason}
 
 
+def _vl_ppo_parity(job: Job, record: dict) -> None:
+    """A vision-language PPO task: LF's own PPO run, expected to stop (VL_PPO); its cells carry the reason and
+    the message LF stopped with. A stop for any other reason, or a run that goes through, is an error."""
+    hidden = json.loads((job.checkpoint / "config.json").read_text())["hidden_size"]  # the release's flat form
+    extra = {"rollouts": [], "minibatch_orders": [], "value_head_dropout": job.args.value_head_dropout,
+             "ppo_config_keys": sorted(PPO_CONFIG), "value_head_init": ppo.init_value_head(hidden, job.args.seed),
+             **PPO_ALIGNED}
+    try:
+        run_lf(job, extra=extra)
+        stop, error = None, "LF's PPO ran on a Qwen-VL model: compare it (parity._ppo_parity) instead"
+    except RuntimeError as failure:
+        lines = [line for line in str(failure).splitlines() if line.strip()]
+        stop = lines[-1].strip() if lines else str(failure)
+        error = None if VL_PPO_STOP in stop else f"LF's PPO stopped elsewhere: {stop}"
+    seen = job.work / "lf" / "result.json"  # what the child saw before LF stopped
+    seen = json.loads(seen.read_text()) if seen.exists() else {}
+    observed = {"lf_stop": stop, "dataset_columns": seen.get("ppo_dataset_columns"),
+                "value_head_in_features": seen.get("value_head_in_features")}
+    if error is None and "images" in ((observed["dataset_columns"] or {}).get("trl_kept") or ["images"]):
+        error = f"TRL kept the images column ({observed['dataset_columns']}): VL_PPO is not why LF stopped"
+    columns = observed["dataset_columns"] or {}
+    reason = VL_PPO + (f". Observed: TRL keeps {columns.get('trl_kept')} of LF's {columns.get('lf')}; the value "
+                       f"head takes {observed['value_head_in_features']} features; LF stops at {stop}"
+                       if error is None else "")
+    for name in VL_PPO_CELLS:  # an unexpected stop is an error, not a documented reason
+        record["cells"][name] = ({"max_abs": None, "n": 0, "error": None, "reason": reason, **observed}
+                                 if error is None else {"max_abs": None, "n": 0, "error": error, **observed})
+
+
+MM_EFFECT = "run with HF's own model_accepts_loss_kwargs (the hf_loss_kwargs runs)"
+
+
+def _mm_loss_finding(job: Job, lf: dict, cells: dict, prefix: str, result) -> bool:
+    """Where LF's SFT trainer turned model_accepts_loss_kwargs off against HF's own rule (MM_LOSS): mark the
+    run's loss-derived cells with the finding (still judged), and run LF again with HF's value restored
+    (cells hf_loss_kwargs.<prefix>*, judged). True when it applied."""
+    flags = lf.get("model_accepts_loss_kwargs") or {}
+    if job.method != "sft" or flags.get("lf") is not False or flags.get("hf") is not True:
+        return False
+    for name in ("losses", "adapter", "eval"):
+        if prefix + name in cells:
+            cells[prefix + name]["finding"] = MM_LOSS
+    ajob = Job(**{**job.__dict__, "work": job.work / HF_LOSS_KWARGS, "variants": {}})
+    alf = run_lf(ajob, extra={"hf_loss_kwargs": True})
+    for name, cell in _run_cells(ajob, alf, result).items():
+        cells[f"{HF_LOSS_KWARGS}.{prefix}{name}"] = cell
+    return True
+
+
+def _mm_ours(job: Job) -> dict | None:
+    """The source's mm plugin as lf_child.mm_facts reports LF's (None: a template without one)."""
+    plugin = template.get_template(job.args.template).mm_plugin
+    if plugin is None:
+        return None
+    c = plugin.image_processor
+    return {"plugin": plugin.name, "image_token": plugin.image_token, "video_token": plugin.video_token,
+            "audio_token": plugin.audio_token, "vision_bos_token": plugin.vision_bos_token,
+            "vision_eos_token": plugin.vision_eos_token, "expand_mm_tokens": True,
+            # the processor the release names, and the HF image processor the source is bit-equal to
+            "processor": RELEASE_PREPROCESSOR.get(job.model_type, {}).get("processor_class"),
+            "image_processor": "Qwen2VLImageProcessorPil",
+            "image_max_pixels": plugin.image_max_pixels, "image_min_pixels": plugin.image_min_pixels,
+            "min_pixels": c.min_pixels, "max_pixels": c.max_pixels, "patch_size": c.patch_size,
+            "temporal_patch_size": c.temporal_patch_size, "merge_size": c.merge_size,
+            "image_mean": list(c.image_mean), "image_std": list(c.image_std), "do_resize": c.do_resize,
+            "resample": c.resample, "do_rescale": c.do_rescale, "rescale_factor": c.rescale_factor,
+            "do_normalize": c.do_normalize, "do_convert_rgb": c.do_convert_rgb}
+
+
 def template_cell(job: Job, lf: dict) -> dict:
     """The family's template as LF registers it against the source's register_template: its fields, and the
-    template-fixed tokenizer's eos, pad, stop-word ids and generation eos ids (PPO's stop ids)."""
+    template-fixed tokenizer's eos, pad, stop-word ids and generation eos ids (PPO's stop ids). With images,
+    also its mm plugin (LF's plugin name and tokens) and the processor LF loaded from the release's
+    preprocessor_config.json (class, pixel bounds, every image-processor setting) against the source's plugin
+    (the classes: the processor the release names, and Qwen2VLImageProcessorPil, which the source is bit-equal
+    to)."""
     facts = lf.get("template")
     if not facts:
         return {"max_abs": None, "n": 0, "error": "LF reported no template"}
@@ -135,14 +237,26 @@ def template_cell(job: Job, lf: dict) -> dict:
                 stop_word_ids=[tokenizer.convert_tokens_to_ids(w) for w in tpl.stop_words],
                 generation_eos_ids=list(ppo.generation_ids(job.tokenizer, job.args)[0]))
     wrong = [f"{k}: LF {facts.get(k)!r}, source {ours.get(k)!r}" for k in facts if facts.get(k) != ours.get(k)]
-    return {"max_abs": 0.0 if not wrong else None, "n": len(facts), "error": "; ".join(wrong) or None}
+    n = len(facts)
+    if job.mm or lf.get("mm"):
+        lf_mm, our_mm = lf.get("mm") or {}, _mm_ours(job) or {}
+        wrong += [f"mm {k}: LF {lf_mm.get(k)!r}, source {our_mm.get(k)!r}" for k in sorted(lf_mm.keys() | our_mm.keys())
+                  if lf_mm.get(k) != our_mm.get(k)]
+        n += len(our_mm)
+    return {"max_abs": 0.0 if not wrong else None, "n": n, "error": "; ".join(wrong) or None}
 
 
 def _source_rows(job: Job, overrides: dict) -> dict:
+    """The source's processed rows per split; with images, each row's paths resolved against media_dir as LF's
+    converter resolves them (the source keeps them as written and resolves them in its collator)."""
     try:
-        return {split: project_rows(job, split, overrides) for split in ("train", "eval")}
+        rows = {split: project_rows(job, split, overrides) for split in ("train", "eval")}
     except ValueError as error:  # the template refuses the variant, as LF's does (compared in tokens)
         return {"refused": str(error)}
+    if job.mm:
+        rows = {split: [{**row, "images": find_medias(row.get("images") or [], str(job.media_dir))}
+                        for row in split_rows] for split, split_rows in rows.items()}
+    return rows
 
 
 def task_parity(task: str, work: Path, train_variants: bool = True, ppo_effects: bool = True) -> dict:
@@ -157,14 +271,18 @@ def task_parity(task: str, work: Path, train_variants: bool = True, ppo_effects:
               "cells": {"tokens": compare.compare_tokens(lf["datasets"], source_rows),
                         "template": template_cell(job, lf)}}
     cells = record["cells"]
-    if job.method == "ppo":
+    if job.method == "ppo" and job.mm:
+        _vl_ppo_parity(make_job(task, work / "run"), record)
+    elif job.method == "ppo":
         _ppo_parity(make_job(task, work / "run"), record, ppo_effects)
+    mm_loss = False
     if job.train:
         result = project_run(job)
         cells.update(_run_cells(job, lf, result))
         reference = _reference_step_losses(task)
         cells["reference"] = (compare.compare_values(result.step_losses, reference) if reference is not None
                               else {"max_abs": None, "n": 0, "error": "no reference recorded"})
+        mm_loss = _mm_loss_finding(job, lf, cells, "", result)
     for variant, (overrides, lf_overrides, reason) in (TRAIN_VARIANTS[job.method].items()
                                                        if train_variants and job.train else ()):
         vjob = make_job(task, work / variant, overrides, lf_overrides=lf_overrides)
@@ -174,10 +292,16 @@ def task_parity(task: str, work: Path, train_variants: bool = True, ppo_effects:
                 cells[f"{variant}.{name}"] = {"max_abs": None, "n": 0, "error": None,
                                               "reason": f"{variant}: the template refuses it on both sides (tokens)"}
             continue
-        vlf = run_lf(vjob)
+        if mm_loss and reason is not None:  # a measured effect: LF's loss normalization undone, so that only
+            reason += "; " + MM_EFFECT      # this variant's own difference is measured
+            vlf = run_lf(vjob, extra={"hf_loss_kwargs": True})
+        else:
+            vlf = run_lf(vjob)
         vresult = result if not overrides else project_run(vjob)
         for name, cell in _run_cells(vjob, vlf, vresult).items():
             cells[f"{variant}.{name}"] = cell if reason is None else {**cell, "reason": reason}
+        if reason is None:
+            _mm_loss_finding(vjob, vlf, cells, f"{variant}.", vresult)
     for (method, name), reason in NOT_COMPARABLE.items():
         if method == job.method:
             cells.setdefault(name, {"max_abs": None, "n": 0, "error": None, "reason": reason})
