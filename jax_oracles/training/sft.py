@@ -187,12 +187,20 @@ def _forward(module, variables, batch):
 
 def _accumulate(module, params, lora, batches):
     """batches: dict of i32[GA,B,L] (+ position_ids i32[GA,3,B,L], image features f32[GA,N,...]) -> (step loss,
-    summed grads) over the GA micro-batches."""
-    num_items = _label_count(batches["labels"])
+    summed grads) over the GA micro-batches. Text: the step's labelled positions divide every micro-batch's summed
+    CE. A vision-language step (`micro_real` f32[GA]: LF loads a processor, model_accepts_loss_kwargs False): each
+    real micro-batch's own token mean over its shifted labels, divided by the step's real micro-batch count."""
+    per_micro = "micro_real" in batches
+    num_items = None if per_micro else _label_count(batches["labels"])
+    count = jnp.sum(batches["micro_real"]) if per_micro else None
 
     def micro_loss(lora, batch):
         logits = _forward(module, {"params": params, "lora": lora}, batch)
-        return causal_lm_loss(logits, batch["labels"], num_items)
+        if not per_micro:
+            return causal_lm_loss(logits, batch["labels"], num_items)
+        # a filler's 0 shifted labels count as 1: its loss is 0 (its mask zeroes it anyway), never 0/0
+        shifted = jnp.maximum(jnp.sum(batch["labels"][:, 1:] != IGNORE_INDEX), 1).astype(jnp.float32)
+        return causal_lm_loss(logits, batch["labels"], shifted) * batch["micro_real"] / count
 
     def body(carry, batch):
         loss_sum, grad_sum = carry
@@ -346,7 +354,10 @@ def _stack_step(micro_batches: list[dict], num_micro: int, rows: int, length: in
     are filler."""
     padded = [_pad_batch(b, rows, length, pad_token_id) for b in micro_batches]
     padded += [_pad_batch(_filler(micro_batches[0]), rows, length, pad_token_id)] * (num_micro - len(micro_batches))
-    return {k: np.stack([b[k] for b in padded]) for k in padded[0]}
+    stacked = {k: np.stack([b[k] for b in padded]) for k in padded[0]}
+    if _image_features(padded[0]):  # a vision-language step: which micro-batches are real (the loss's divisor)
+        stacked["micro_real"] = (np.arange(num_micro) < len(micro_batches)).astype(np.float32)
+    return stacked
 
 
 def _step_shape(step_batches: list[list[dict]]) -> tuple[int, int, int]:

@@ -4,7 +4,8 @@ raw alpaca json -> llama3 template -> supervised processor (cutoff_len) -> colla
 padding, multiple of 8) -> frozen base + LoRA on every projection -> HF Trainer loop:
 gradient accumulation over GA micro-batches, each micro-batch loss = summed CE / labelled
 positions of the whole accumulation step (loss.py: HF's num_items_in_batch; the step loss is the
-token mean unless train_on_prompt labels the first position), grads summed,
+token mean unless train_on_prompt labels the first position; a vision-language model, whose processor LF loads:
+each micro-batch's own token mean / the step's micro-batch count, `loads_processor`), grads summed,
 clipped to max_grad_norm, AdamW step, scheduler step (`lr_scheduler_type`: HF's linear or
 LLaMA-Factory's cosine). eval_loss is HF Trainer.evaluate's: each eval batch's loss is the token
 mean of that batch alone, and eval_loss is the mean over batches (not over all eval tokens).
@@ -35,7 +36,7 @@ from .processor import preprocess_supervised_dataset
 from .template import get_template, load_tokenizer
 
 __all__ = ["TrainArgs", "SFTResult", "lora_config", "media_dir", "load_processed_dataset", "multimodal_context",
-           "make_collator", "MODEL_INPUTS", "model_inputs", "step_example_indices",
+           "make_collator", "MODEL_INPUTS", "model_inputs", "loads_processor", "step_example_indices",
            "num_training_steps", "load_model", "sft_step_loss_and_grads", "train_steps", "mean_of_batch_losses",
            "evaluate_loss", "train_sft"]
 
@@ -161,13 +162,26 @@ def model_inputs(batch: dict) -> dict[str, torch.Tensor]:
     return {k: torch.as_tensor(np.asarray(batch[k]), dtype=dtype) for k, dtype in MODEL_INPUTS.items() if k in batch}
 
 
+def loads_processor(batch: dict) -> bool:
+    """Whether LF's SFT trainer runs this batch with a processor loaded: a vision-language model's collator gives
+    every batch pixel values (its fake image when no row has one). LF 0.9.5's CustomSeq2SeqTrainer then sets
+    model_accepts_loss_kwargs = False, so the step's num_items_in_batch never reaches the loss."""
+    return "pixel_values" in batch
+
+
 def _accumulate_grads(model, micro_batches: list[dict]) -> float:
-    """Forward + backward of each micro-batch into .grad; returns the step loss (token mean)."""
-    num_items = sum(count_label_tokens(b["labels"]) for b in micro_batches)
+    """Forward + backward of each micro-batch into .grad; returns the step loss. Text: each micro-batch's summed CE
+    over the whole step's labelled positions (the step's token mean). With a processor (loads_processor): each
+    micro-batch's own token mean over its shifted labels, divided by the step's micro-batch count (HF's
+    current_gradient_accumulation_steps), as LF trains a vision-language model."""
+    per_micro = loads_processor(micro_batches[0])
+    num_items = None if per_micro else sum(count_label_tokens(b["labels"]) for b in micro_batches)
     total = 0.0
     for batch in micro_batches:
         input_ids, attention_mask, labels = _batch_tensors(batch)
         loss = causal_lm_loss(model(input_ids, attention_mask, **model_inputs(batch)), labels, num_items)
+        if per_micro:
+            loss = loss / len(micro_batches)
         loss.backward()
         total += loss.item()
     return total
