@@ -20,7 +20,10 @@ generated image-pad token reads the token's text embedding and no DeepStack), wi
 [B,3,P] and rope deltas [B]. Generation keeps its lax.scan on the fixed buffer, positions [3,B,P+N] (the prompt's,
 then each new token's text position + the row's delta); the rollout batch carries row_positions i32[B,3,W] (the
 query's, then text continuing: the rope index of query + response) and the per-token features f32[B,W,...], per
-row, so the step's mini-batch permutations take them along. The reward model scores the ids as before.
+row, so the step's mini-batch permutations take them along. The reward model scores the ids as before. Qwen2.5-Omni's
+thinker: LF's fake audio in every prompt batch goes through the frozen audio tower outside the jit too (sft.
+encode_audio) and travels per token (token_audio_embeds, read at the audio tokens); the prompt's rope deltas are
+taken against the text positions, and a sampled video token is text (the torch twin's docstring).
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ from .lora import init_lora_tree, lora_state_dict, lora_tree_from_state_dict
 from .optimizer import LR_MULTIPLIERS, _decay_mask, clip_grad_norm, get_warmup_steps
 from .processor import preprocess_unsupervised_dataset
 from .collator import MultimodalContext
-from .sft import (IMAGE_FEATURES, CausalLM, TrainArgs, _fake_media_length, _fixed_tokenizer, encode_images, load_model,
-                  lora_config, media_dir, multimodal_context)
+from .sft import (AUDIO_FEATURES, IMAGE_FEATURES, CausalLM, TrainArgs, _fake_media_length, _fixed_tokenizer,
+                  encode_audio, encode_images, load_model, lora_config, media_dir, multimodal_context)
 
 __all__ = ["PPOArgs", "PPOResult", "STATS", "VALUE_HEAD_FILE", "load_prompt_dataset", "make_collator",
            "prompt_batch_indices", "num_training_steps", "init_value_head", "value_head",
@@ -198,7 +201,7 @@ class CausalLMWithValueHead:
 
 
 def _forward(module, params, lora, v_head, input_ids, attention_mask, position_ids=None, **image_features):
-    """image_features: a VL model's image keywords (sft.IMAGE_FEATURES), indexed by image token."""
+    """image_features: a VL model's tower keywords (sft.IMAGE_FEATURES, Omni's sft.AUDIO_FEATURES), indexed by token."""
     variables = {"params": params} if lora is None else {"params": params, "lora": lora}
     logits, hidden = module.apply(variables, input_ids, attention_mask, position_ids, return_hidden=True,
                                   **image_features)
@@ -257,44 +260,67 @@ def sample_next_tokens(logits, noise, args: PPOArgs):
     return jnp.argmax(jax.nn.softmax(warp_logits(logits, args), axis=-1) / noise, axis=-1).astype(jnp.int32)
 
 
-_TOKEN = "token_"  # a VL batch's per-token image features: token_<keyword> f32[B,T,...] (keyword: sft.IMAGE_FEATURES)
+_TOKEN = "token_"  # a VL batch's per-token tower features: token_<keyword> f32[B,T,...] (sft.IMAGE_FEATURES, and
+# Omni's sft.AUDIO_FEATURES: read at the audio tokens)
 
 
 def _token_features(inputs: dict) -> dict:  # -> {keyword: f32[B,T,...]}
-    return {k: inputs[_TOKEN + k] for k in IMAGE_FEATURES if _TOKEN + k in inputs}
+    return {k: inputs[_TOKEN + k] for k in IMAGE_FEATURES + AUDIO_FEATURES if _TOKEN + k in inputs}
+
+
+def _feature_token(config, keyword: str) -> int:
+    """The token a keyword's rows replace: the image-pad token's, Omni's audio rows the audio token's."""
+    return config.audio_token_id if keyword in AUDIO_FEATURES else config.image_token_id
 
 
 def _text_features(module, params, features: dict) -> dict:  # {keyword: f32[B,T,...]} -> {keyword: f32[...]}
-    """What a generated image-pad token carries: it is text (as generate's decode steps embed it), so its merged
-    patch is the token's own text embedding and an added feature (DeepStack's) is zero (x + 0 = x)."""
-    ids = jnp.full((1, 1), module.config.image_token_id, jnp.int32)
-    text = module.apply({"params": params}, ids, method="embed")[0, 0]
-    return {k: text if k == "image_embeds" else jnp.zeros(v.shape[2:], v.dtype) for k, v in features.items()}
+    """What a generated image-pad (or audio) token carries: it is text (as generate's decode steps embed it), so
+    its merged patch (its audio row) is the token's own text embedding and an added feature (DeepStack's) is zero
+    (x + 0 = x)."""
+    def text(token_id):
+        return module.apply({"params": params}, jnp.full((1, 1), token_id, jnp.int32), method="embed")[0, 0]
+    return {k: text(module.config.image_token_id) if k == "image_embeds"
+            else text(module.config.audio_token_id) if k in AUDIO_FEATURES else jnp.zeros(v.shape[2:], v.dtype)
+            for k, v in features.items()}
 
 
 def _image_inputs(module, input_ids, features: dict) -> dict:  # i32[B,T], {k: f32[B,T,...]} -> {k: f32[B*T,...]}
-    """The forward's image keywords: row k = the features at the k-th image token in reading order (the rows past
-    the image tokens' count are never read)."""
-    flat = (input_ids == module.config.image_token_id).reshape(-1)
-    (where,) = jnp.nonzero(flat, size=flat.shape[0], fill_value=0)
-    return {k: v.reshape(flat.shape[0], *v.shape[2:])[where] for k, v in features.items()}
+    """The forward's tower keywords: row k = the features at the k-th image (Omni's audio rows: audio) token in
+    reading order (the rows past the tokens' count are never read); Omni's thinker also takes a sampled video
+    token as text (video_tokens_as_text), as generate's decode steps embed it."""
+    out = {}
+    for k, v in features.items():
+        flat = (input_ids == _feature_token(module.config, k)).reshape(-1)
+        (where,) = jnp.nonzero(flat, size=flat.shape[0], fill_value=0)
+        out[k] = v.reshape(flat.shape[0], *v.shape[2:])[where]
+    if any(k in AUDIO_FEATURES for k in out):  # Omni's thinker: a sampled video token is text (positions given)
+        out["video_tokens_as_text"] = True
+    return out
 
 
 def prompt_vision(policy: CausalLMWithValueHead, batch: dict) -> dict | None:
     """A collated VL prompt batch -> {positions i32[B,3,P], rope_deltas i32[B], token_<keyword> f32[B,P,...]: the
     frozen tower's image features at the image tokens (encode_images, outside the jit), 0 elsewhere}; None for
-    text."""
+    text. An Omni batch (LF's fake audio) adds the audio tower's rows at its (masked) audio tokens
+    (token_audio_embeds, encode_audio outside the jit) and takes its rope deltas against the text positions: the
+    largest position + 1 - the attended tokens (LF's Omni branch hands them against the absolute column, at LF's
+    width; the torch twin's _text_deltas)."""
     if "pixel_values" not in batch:
         return None
     features = encode_images(policy, batch["pixel_values"], batch["image_grid_thw"])
+    if "input_features" in batch:
+        features["audio_embeds"] = encode_audio(policy, batch["input_features"], batch["feature_attention_mask"])
     ids = np.asarray(batch["input_ids"])
-    at_images = ids == policy.module.config.image_token_id
     per_token = {}
     for k, rows in features.items():
         per_token[_TOKEN + k] = np.zeros((*ids.shape, *rows.shape[1:]), np.float32)
-        per_token[_TOKEN + k][at_images] = rows
-    return {"positions": np.asarray(batch["position_ids"], np.int32).transpose(1, 0, 2),
-            "rope_deltas": np.asarray(batch["rope_deltas"], np.int32)[:, 0], **per_token}
+        per_token[_TOKEN + k][ids == _feature_token(policy.module.config, k)] = rows
+    positions = np.asarray(batch["position_ids"], np.int32)
+    if "input_features" in batch:
+        deltas = positions.max(axis=(0, 2)) + 1 - np.asarray(batch["attention_mask"]).sum(-1)
+    else:
+        deltas = np.asarray(batch["rope_deltas"])[:, 0]
+    return {"positions": positions.transpose(1, 0, 2), "rope_deltas": deltas.astype(np.int32), **per_token}
 
 
 def _generate(module, args, eos_token_ids, pad_token_id, params, lora, input_ids, attention_mask, noise, vision=None):

@@ -1,8 +1,9 @@
 """Vision-language LoRA training, torch source against the JAX oracle, end to end on the shipped VL data
-(qwen2_vl and qwen3_vl, their templates' mm plugins, LF's collator with the fake image and M-RoPE positions): the
-same step losses, eval losses and adapter, and a held-out loss that training lowers. The torch source runs the tower
-in every forward; the JAX oracle feeds the frozen tower's precomputed output (Qwen3-VL's DeepStack features too)
-into its jitted steps."""
+(qwen2_vl and qwen3_vl, their templates' mm plugins, LF's collator with the fake image and M-RoPE positions; the
+Qwen2.5-Omni thinker's PPO too, its SFT and DPO in test_omni_audio.py): the same step losses, eval losses and
+adapter, and a held-out loss that training lowers. The torch source runs the tower in every forward; the JAX oracle
+feeds the frozen tower's precomputed output (Qwen3-VL's DeepStack features too, Omni's audio rows) into its jitted
+steps."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Per family (its template is its name): qwen2_vl's default system prompt is 25 tokens, so at 64 infer_seqlen would
 # cut image tokens; qwen3_vl's images are 64-87 tokens, up to two a row: below 192 some row's image is cut, and at
 # 232 no row is cut at all.
-CUTOFF = {"qwen2_vl": 128, "qwen3_vl": 232}
+CUTOFF = {"qwen2_vl": 128, "qwen3_vl": 232, "qwen2_omni": 128}
 # qwen2_vl's SFT runs in CI; qwen3_vl's (about as long) in make test-full, with a fast batch test in CI
 SFT_FAMILIES = ["qwen2_vl", pytest.param("qwen3_vl", marks=pytest.mark.slow)]
 
@@ -123,13 +124,16 @@ def test_dpo_end_to_end_matches(family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "qwen2_omni"])
 def test_ppo_end_to_end_matches(family):
     """LF's PPO with the multimodal collator's inputs (the torch docstring says why LF's own cannot run a VL policy):
     the prompts' images in generation and in TRL's forward passes, M-RoPE positions, a text reward model. The same
     sampled responses, step stats (the noise stat left out, the moved stats at the steps that moved: as the
-    grader's PPO checks), held-out rewards, adapter and value head; and the positions of query + response are the
-    rope index of the concatenated rows."""
+    grader's PPO checks), held-out rewards (Omni's after training sits near 0: an absolute floor of 1e-6), adapter
+    and value head; and the positions of query + response are the rope index of the concatenated rows (at the
+    attended tokens: Omni's index puts pads at 1). Omni: every prompt batch carries LF's fake audio (its rows at the
+    masked audio tokens in generation), and the policy samples audio tokens (text, as generate's decode steps embed
+    them) and a video token (text, video_tokens_as_text)."""
     ckpt, tokenizer = _assets(family)
     reward, data = ROOT / "assets/checkpoints/llama3-reward", ROOT / "assets/data/sft_vl"
     kw = dict(template=family, cutoff_len=CUTOFF[family], num_train_epochs=1, eval_samples=1)
@@ -146,7 +150,8 @@ def test_ppo_end_to_end_matches(family):
         steps = moved if name in PPO_MOVED_STATS else slice(None)
         np.testing.assert_allclose(np.asarray(got.step_stats[name])[steps], np.asarray(want.step_stats[name])[steps],
                                    rtol=1e-4, atol=1e-5, err_msg=name)
-    np.testing.assert_allclose([got.eval_before, got.eval_after], [want.eval_before, want.eval_after], rtol=1e-5)
+    np.testing.assert_allclose([got.eval_before, got.eval_after], [want.eval_before, want.eval_after], rtol=1e-5,
+                               atol=1e-6)
     assert _max_diff(got.lora_state_dict, want.lora_state_dict) < 3e-5
     assert _max_diff(got.value_head, want.value_head) < 3e-5
 
@@ -159,4 +164,11 @@ def test_ppo_end_to_end_matches(family):
     inputs = tppo.prepare_model_inputs(queries, responses, pad, vision)
     grid = tppo.PromptDataCollator(pad, mm=mm)(prompts)["image_grid_thw"]
     positions, _ = policy.pretrained_model.rope_index(inputs["input_ids"], grid, inputs["attention_mask"])
-    np.testing.assert_array_equal(inputs["row_positions"].transpose(0, 1).numpy(), positions.numpy())
+    attended = inputs["attention_mask"].bool()[None].expand(3, -1, -1)
+    np.testing.assert_array_equal(inputs["row_positions"].transpose(0, 1)[attended].numpy(),
+                                  positions[attended].numpy())
+    if family == "qwen2_omni":
+        c = policy.pretrained_model.config
+        assert "token_audio_embeds" in vision
+        sampled = np.concatenate([r.ravel() for r in want.step_responses])
+        assert (sampled == c.audio_token_id).any() and (sampled == c.video_token_id).any()

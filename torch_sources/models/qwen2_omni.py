@@ -141,10 +141,12 @@ def thinker_state(named_tensors):
 
 # ---- operators ------------------------------------------------------------------------------
 
-def refuse_unplaced_tokens(input_ids, config: Qwen2OmniConfig, has_audio: bool) -> None:
+def refuse_unplaced_tokens(input_ids, config: Qwen2OmniConfig, has_audio: bool,
+                           video_as_text: bool = False) -> None:
     """Video tokens are never placed; audio tokens only with audio (input_features or audio_embeds): refuse
-    the rest rather than leave their placeholder embeddings in the sequence."""
-    if bool((input_ids == config.video_token_id).any()):
+    the rest rather than leave their placeholder embeddings in the sequence (video_as_text: a video token is
+    text, its own embedding, as in a decode step)."""
+    if not video_as_text and bool((input_ids == config.video_token_id).any()):
         raise ValueError(f"video token {config.video_token_id} in input_ids: this thinker forward places images and "
                          f"audio only (video inputs are out of scope)")
     if not has_audio and bool((input_ids == config.audio_token_id).any()):
@@ -187,6 +189,9 @@ class Qwen2OmniThinkerForConditionalGeneration(nn.Module):
             audio_token_id=c.audio_token_id, audio_start_token_id=c.audio_start_token_id,
             spatial_merge_size=c.vision.spatial_merge_size, audio_seqlens=audio_seqlens)
 
+    def embed(self, input_ids):  # i64[B,T] -> f32[B,T,D]: the token embeddings (text only)
+        return self.model.embed_tokens(input_ids)
+
     def encode_images(self, pixel_values, image_grid_thw):  # f32[P, C*2*14*14], i64[I,3] -> f32[P/4, D]
         """The tower's merged patch embeddings: what replaces the image tokens (frozen under LoRA, so a trainer
         may compute them once per batch)."""
@@ -206,14 +211,18 @@ class Qwen2OmniThinkerForConditionalGeneration(nn.Module):
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, pixel_values=None, image_grid_thw=None,
                 return_hidden: bool = False, image_embeds=None, input_features=None, feature_attention_mask=None,
-                audio_embeds=None):
+                audio_embeds=None, video_tokens_as_text: bool = False):
         """input_ids i64[B,T], attention_mask i64[B,T], position_ids i64[3,B,T] (None: the thinker's rope index
         of the batch), pixel_values f32[P, C*2*14*14], image_grid_thw i64[I,3] (or image_embeds f32[n,D],
         encode_images' output), input_features f32[A, mel, F] with feature_attention_mask [A, F] (or
         audio_embeds f32[m, output_dim], encode_audio's output) -> logits f32[B,T,V] (and the final hidden states
-        with return_hidden)."""
+        with return_hidden). video_tokens_as_text (position_ids given): a video token is text, embedded as such, as
+        transformers' decode steps embed a sampled one (PPO's responses); otherwise video tokens are refused."""
         c = self.config
-        refuse_unplaced_tokens(input_ids, c, input_features is not None or audio_embeds is not None)
+        if video_tokens_as_text and position_ids is None:
+            raise ValueError("video_tokens_as_text needs position_ids: the rope index would place a video token")
+        refuse_unplaced_tokens(input_ids, c, input_features is not None or audio_embeds is not None,
+                               video_tokens_as_text)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if position_ids is None:

@@ -34,7 +34,15 @@ PPO with the multimodal collator's inputs passed where a VL model needs them:
   of the concatenated row, computed from its parts: a response token that happens to be the image-pad id stays
   text, where transformers' forward would fail on the count);
 - the reward model (a text checkpoint) scores the query + response ids as before, no pixels;
-- the value head reads the language model's final hidden states (the text config's hidden_size).
+- the value head reads the language model's final hidden states (the text config's hidden_size);
+- Qwen2.5-Omni's thinker: every prompt batch carries LF's fake audio (input_features, feature_attention_mask, its
+  audio tokens masked on row 0 before the prompt), so the audio tower runs once per step batch too (encode_audio)
+  and its rows travel per token like the image features (token_audio_embeds, at the audio tokens: generation
+  merges them there; a sampled audio token carries its text embedding). LF's Omni branch hands rope deltas against
+  the absolute column (minus each row's masked tokens); generation continues the text positions, so an Omni
+  prompt's deltas are taken as the largest position + 1 - the attended tokens (the same decode positions). A
+  sampled video token is text (video_tokens_as_text), as generate's decode steps embed it; the fake audio, like
+  the fake image, never reaches a query.
 Departure from LF: a step batch without any image gets LF's fake image before row 0's tokens (mask 0), and LF's
 trimming (the first non-pad token) would keep its tokens in the query, to be attended with no pixels; here the
 query of a VL batch starts at its first attended token, so the fake image never reaches TRL's forward.
@@ -227,7 +235,8 @@ class CausalLMWithValueHead(nn.Module):
         self.v_head = ValueHead(pretrained_model.config.hidden_size, dropout)
 
     def forward(self, input_ids, attention_mask, position_ids=None, **image_features):  # -> f32[B,T,V], f32[B,T]
-        """image_features: a VL model's image keywords (image_embeds, and Qwen3-VL's deepstack_embeds)."""
+        """image_features: a VL model's tower keywords (image_embeds, Qwen3-VL's deepstack_embeds, Omni's
+        audio_embeds)."""
         logits, hidden = self.pretrained_model(input_ids, attention_mask, position_ids, return_hidden=True,
                                                **image_features)
         return logits.float(), self.v_head(hidden)
@@ -304,7 +313,14 @@ def sample_next_tokens(logits: torch.Tensor, noise: torch.Tensor, args: PPOArgs)
     return (probs / noise).argmax(dim=-1)
 
 
-_TOKEN = "token_"  # a VL batch's per-token image features: token_<keyword> f32[B,T,...]
+_TOKEN = "token_"  # a VL batch's per-token tower features: token_<keyword> f32[B,T,...]
+# the token a keyword's rows replace (config attribute): the image keywords the image-pad token's, Omni's audio rows
+# (audio_embeds, encode_audio's output) the audio token's
+_AUDIO_FEATURES = ("audio_embeds",)
+
+
+def _feature_token(config, keyword: str) -> int:
+    return config.audio_token_id if keyword in _AUDIO_FEATURES else config.image_token_id
 
 
 def _token_features(inputs: dict) -> dict:  # -> {keyword: f32[B,T,...]}
@@ -319,33 +335,56 @@ def _encode_images(lm, pixel_values, image_grid_thw) -> dict[str, torch.Tensor]:
 
 
 def _text_features(model: CausalLMWithValueHead, features: dict) -> dict:  # -> {keyword: f32[...]}
-    """What a generated image-pad token carries: it is text (as generate's decode steps embed it), so its merged
-    patch is the token's own text embedding and an added feature (DeepStack's) is zero (x + 0 = x)."""
+    """What a generated image-pad (or audio) token carries: it is text (as generate's decode steps embed it), so
+    its merged patch (its audio row) is the token's own text embedding and an added feature (DeepStack's) is zero
+    (x + 0 = x)."""
     lm = model.pretrained_model
-    text = lm.embed(torch.tensor([[lm.config.image_token_id]]))[0, 0].detach()
-    return {k: text if k == "image_embeds" else torch.zeros(v.shape[2:]) for k, v in features.items()}
+
+    def text(token_id):
+        return lm.embed(torch.tensor([[token_id]]))[0, 0].detach()
+    return {k: text(lm.config.image_token_id) if k == "image_embeds"
+            else text(lm.config.audio_token_id) if k in _AUDIO_FEATURES else torch.zeros(v.shape[2:])
+            for k, v in features.items()}
+
+
+def _text_deltas(position_ids, attention_mask):  # i64[3,B,P], {0,1}[B,P] -> i64[B,1]
+    """Each row's rope delta against its text positions (mask cumsum - 1, what decode_positions continues): the
+    largest position + 1 - the row's attended tokens. An Omni batch needs it: LF's Omni branch hands the collator's
+    rope_deltas minus each row's masked tokens (pads, fake media) at LF's width, deltas against the absolute
+    column (transformers' Omni cache_position); a query + response row continues its query either way."""
+    return position_ids.amax(dim=(0, 2))[:, None] + 1 - attention_mask.long().sum(-1, keepdim=True)
 
 
 @torch.no_grad()
 def prompt_vision(model: CausalLMWithValueHead, batch: dict) -> dict | None:
     """A collated VL prompt batch -> {position_ids i64[3,B,P], rope_deltas i64[B,1], token_<keyword> f32[B,P,...]:
-    the tower's image features at the image tokens (reading order), 0 elsewhere}; None for a text batch."""
+    the tower's image features at the image tokens (reading order), 0 elsewhere}; None for a text batch. An Omni
+    batch (LF's fake audio: input_features, feature_attention_mask) adds the audio tower's rows at its (masked)
+    audio tokens, token_audio_embeds, and its rope deltas are taken against the text positions (_text_deltas)."""
     if "pixel_values" not in batch:
         return None
     lm = model.pretrained_model
     ids = batch["input_ids"]
-    at_images = ids == lm.config.image_token_id
+    encoded = _encode_images(lm, batch["pixel_values"], batch["image_grid_thw"])
+    if "input_features" in batch:
+        encoded["audio_embeds"] = lm.encode_audio(batch["input_features"], batch["feature_attention_mask"]).float()
     per_token = {}
-    for k, rows in _encode_images(lm, batch["pixel_values"], batch["image_grid_thw"]).items():
+    for k, rows in encoded.items():
         per_token[_TOKEN + k] = torch.zeros(*ids.shape, *rows.shape[1:])
-        per_token[_TOKEN + k][at_images] = rows
-    return {"position_ids": batch["position_ids"].long(), "rope_deltas": batch["rope_deltas"].long(), **per_token}
+        per_token[_TOKEN + k][ids == _feature_token(lm.config, k)] = rows
+    position_ids = batch["position_ids"].long()
+    deltas = (_text_deltas(position_ids, batch["attention_mask"]) if "input_features" in batch
+              else batch["rope_deltas"].long())
+    return {"position_ids": position_ids, "rope_deltas": deltas, **per_token}
 
 
 def _image_inputs(model: CausalLMWithValueHead, input_ids, features: dict) -> dict:  # -> {keyword: f32[n,...]}
-    """The forward's image keywords: the per-token features at the image tokens, in reading order."""
-    at_images = input_ids == model.pretrained_model.config.image_token_id
-    return {k: v[at_images] for k, v in features.items()}
+    """The forward's tower keywords: the per-token features at their tokens (image, or Omni's audio), in reading
+    order. Omni's thinker (the audio keyword's) also takes a sampled video token as text (video_tokens_as_text):
+    its positions are given, and generate's decode steps embed it so."""
+    config = model.pretrained_model.config
+    out = {k: v[input_ids == _feature_token(config, k)] for k, v in features.items()}
+    return {**out, "video_tokens_as_text": True} if any(k in _AUDIO_FEATURES for k in out) else out
 
 
 @torch.no_grad()
