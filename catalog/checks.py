@@ -80,6 +80,9 @@ _TRAINING_CHECKS = (
        "rope deltas, and the decoder's M-RoPE cos/sin (the mrope_section split)", ALL, ("pos:mrope",)),
     _c("L1", "patch_embed", "numeric", "tensor", "the tower's patch embedding (a Conv3d as one matmul)", ALL,
        ("vision:qwen",)),
+    _c("L1", "vision_windows", "numeric", "agreement",
+       "Qwen2.5-VL's window attention: the window permutation of the merged tokens and the windows' bounds", ALL,
+       ("vision:windows",)),
     _c("L1", "data_tokens", "numeric", "agreement", "template+processor token ids on the raw train set", SFT),
     _c("L1", "data_labels", "numeric", "agreement", "label masks (-100 on prompts) on the raw train set", SFT),
     _c("L1", "collate", "numeric", "agreement", "collator padding and attention mask of the first batch", SFT),
@@ -92,6 +95,9 @@ _TRAINING_CHECKS = (
     _c("L2", "deepstack", "numeric", "tensor",
        "DeepStack's injection: merged features added to the image tokens' hidden states, in reading order, every "
        "other row unchanged", ALL, ("vision:deepstack",)),
+    _c("L2", "audio_tower", "numeric", "agreement",
+       "the audio tower present and loaded: its output's shape on random log-mel frames, and that every value is "
+       "finite (the paper grades no audio numbers)", ALL, ("audio:present",)),
     _c("L2", "vision_tower", "numeric", "tensor",
        "the whole tower on two shipped images' pixel values: merged embeddings (and deepstack features)", ALL,
        ("vision:qwen",)),

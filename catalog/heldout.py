@@ -44,7 +44,8 @@ PREFERENCE_KEY = "L6/heldout_preference"
 REWARD_KEY = "L6/heldout_reward"  # PPO: scored by catalog/ppo_eval.py
 _BATCH = re.compile(r"b(\d+)\.(\w+)")
 # what the child's forward takes of a recorded batch (a vision-language batch: positions, pixels, grids too)
-MODEL_FIELDS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw")
+MODEL_FIELDS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw", "input_features",
+                "feature_attention_mask")
 
 
 class HeldoutError(ValueError):

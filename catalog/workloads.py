@@ -357,12 +357,17 @@ def tied_checkpoint(ckpt, out) -> Path:
 
     ckpt, out = Path(ckpt), Path(out)
     config = json.loads((ckpt / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    if "thinker_config" in config:  # Qwen2.5-Omni: the thinker holds the tie and its head
+        config, head = {**config, "thinker_config": {**config["thinker_config"], "tie_word_embeddings": True}}, \
+            "thinker.lm_head.weight"
+    else:
+        config, head = {**config, "tie_word_embeddings": True}, "lm_head.weight"
+    (out / "config.json").write_text(json.dumps(config))
     index = None if (ckpt / "model.safetensors").is_file() else \
         json.loads((ckpt / "model.safetensors.index.json").read_text())
     for name in ["model.safetensors"] if index is None else sorted(set(index["weight_map"].values())):
-        _without_tensor(ckpt / name, out / name, "lm_head.weight")
+        _without_tensor(ckpt / name, out / name, head)
     if index is not None:
-        index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k != "lm_head.weight"}
+        index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k != head}
         (out / "model.safetensors.index.json").write_text(json.dumps(index))
     return out

@@ -113,9 +113,10 @@ def small_config(family: str) -> dict:
 
 
 def text_keys(config: dict) -> dict:
-    """A config's language-model keys at one level: a release that nests them (Qwen3-VL's text_config) flattened,
-    the text keys winning; any other config as it is."""
-    return {**config, **config.get("text_config", {})}
+    """A config's language-model keys at one level: a release that nests them (Qwen3-VL's text_config, Qwen2.5-Omni's
+    thinker_config.text_config) flattened, the inner keys winning; any other config as it is."""
+    thinker = config.get("thinker_config", config)
+    return {**config, **thinker, **thinker.get("text_config", {})}
 
 
 def _width_factor(family: str) -> float:

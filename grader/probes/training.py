@@ -130,7 +130,8 @@ def n(x):
     return np.asarray(jax.device_get(x))
 
 
-MODEL_FIELDS = ("position_ids", "pixel_values", "image_grid_thw")  # what a vision-language batch adds
+# what a vision-language batch adds (Omni's: LF's fake audio, its log-mel frames and their mask)
+MODEL_FIELDS = ("position_ids", "pixel_values", "image_grid_thw", "input_features", "feature_attention_mask")
 
 
 # ---- L0 spec -----------------------------------------------------------------------------------

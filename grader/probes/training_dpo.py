@@ -54,19 +54,23 @@ def probe_sequence_logps(ctx, inp):
     batch = {k: jnp.asarray(inp[k]) for k in FIELDS}
     if "position_ids" in inp:  # a vision-language batch: its positions and the frozen tower's image features
         batch["position_ids"] = jnp.asarray(inp["position_ids"])
-        batch.update(_image_features(ctx, model, inp))
+        batch.update(_tower_features(ctx, model, inp))
     out = ctx.workflow.concatenated_forward(model.module, variables, batch)
     ref_chosen, ref_rejected = ctx.workflow.reference_log_probs(model.module, variables, batch)
     return {"chosen_logps": n(out["chosen_logps"]), "rejected_logps": n(out["rejected_logps"]),
             "ref_chosen_logps": n(ref_chosen), "ref_rejected_logps": n(ref_rejected)}
 
 
-def _image_features(ctx, model, inp) -> dict:
-    """The recorded pixels through the candidate's encode_images, as the forward's keywords."""
+def _tower_features(ctx, model, inp) -> dict:
+    """The recorded pixels (and Omni's fake audio) through the candidate's frozen towers, as the forward's keywords."""
     if "pixel_values" not in inp:
         return {}
     encoded = ctx.sft.encode_images(model, np.asarray(inp["pixel_values"]), np.asarray(inp["image_grid_thw"]))
-    return dict(encoded) if isinstance(encoded, dict) else {"image_embeds": encoded}
+    features = dict(encoded) if isinstance(encoded, dict) else {"image_embeds": encoded}
+    if "input_features" in inp:  # Omni: LF's fake audio through the candidate's audio tower
+        features["audio_embeds"] = ctx.sft.encode_audio(model, np.asarray(inp["input_features"]),
+                                                        np.asarray(inp["feature_attention_mask"]))
+    return features
 
 
 def _step0(ctx, inp):

@@ -56,6 +56,19 @@ def probe_mrope(ctx, inp):
             "cos": n(inputs.cos), "sin": n(inputs.sin), "cos_rows": n(spread.cos), "sin_rows": n(spread.sin)}
 
 
+def probe_vision_windows(ctx, inp):
+    c = ctx.config.vision
+    perm, cu = _vision().window_index(np.asarray(inp["grid_thw"]), c.window_size, c.spatial_merge_size, c.patch_size)
+    return {"perm": np.asarray(perm).astype(np.int64), "cu_window_seqlens": np.asarray(cu).astype(np.int64)}
+
+
+def probe_audio_tower(ctx, inp):
+    model = ctx.model_class(ctx.config)
+    out = n(model.apply({"params": ctx.params}, jnp.asarray(inp["input_features"]), np.asarray(inp["feature_lens"]),
+                        method="audio_features"))
+    return {"shape": np.array(out.shape, np.int64), "finite": np.array(np.isfinite(out).all(), np.int64)}
+
+
 def _visual(ctx):
     """The tower's params (the family yaml's `vision_tower` path: visual, or model/visual)."""
     tree = ctx.params
@@ -127,5 +140,5 @@ def probe_pixel_grad(ctx, inp):
 
 
 PROBES = {name: globals()[f"probe_{name}"] for name in (
-    "image_regularize", "image_processor", "vision_rope", "mrope", "patch_embed", "vision_block", "vision_merger",
-    "deepstack", "vision_tower", "logits_images", "pixel_grad")}
+    "image_regularize", "image_processor", "vision_rope", "mrope", "patch_embed", "vision_windows", "vision_block",
+    "vision_merger", "deepstack", "audio_tower", "vision_tower", "logits_images", "pixel_grad")}

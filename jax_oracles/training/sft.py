@@ -35,7 +35,7 @@ from .processor import preprocess_supervised_dataset
 from .template import get_template, load_tokenizer
 
 __all__ = ["TrainArgs", "SFTResult", "lora_config", "media_dir", "load_processed_dataset", "multimodal_context",
-           "make_collator", "MODEL_INPUTS", "model_inputs", "step_example_indices",
+           "make_collator", "MODEL_INPUTS", "model_inputs", "loads_processor", "step_example_indices",
            "num_training_steps", "CausalLM", "load_model", "IMAGE_FEATURES", "AUDIO_FEATURES", "encode_images",
            "encode_audio", "sft_step_loss_and_grads", "train_steps",
            "mean_of_batch_losses", "evaluate_loss", "train_sft"]
@@ -185,6 +185,13 @@ def _forward(module, variables, batch):
                         collated_positions(batch["attention_mask"]))
 
 
+def loads_processor(batch: dict) -> bool:
+    """Whether LF's SFT trainer runs this (collated) batch with a processor loaded: a vision-language model's collator
+    gives every batch pixel values (its fake image when no row has one). LF 0.9.5's CustomSeq2SeqTrainer then sets
+    model_accepts_loss_kwargs = False, so the step's num_items_in_batch never reaches the loss."""
+    return "pixel_values" in batch
+
+
 def _accumulate(module, params, lora, batches):
     """batches: dict of i32[GA,B,L] (+ position_ids i32[GA,3,B,L], image features f32[GA,N,...]) -> (step loss,
     summed grads) over the GA micro-batches. Text: the step's labelled positions divide every micro-batch's summed
@@ -304,7 +311,7 @@ def _embedded(model: "CausalLM", batch: dict) -> dict:
     """A collated vision-language batch with its media through the frozen towers (the image features, and Omni's
     audio_embeds, instead of pixel_values, grids, input_features, the frame mask and rope deltas: what the jitted
     step takes); a text batch as it is."""
-    if "pixel_values" not in batch:
+    if not loads_processor(batch):
         return batch
     media = ("pixel_values", "image_grid_thw", "rope_deltas", "input_features", "feature_attention_mask")
     out = {**{k: v for k, v in batch.items() if k not in media},
@@ -355,7 +362,7 @@ def _stack_step(micro_batches: list[dict], num_micro: int, rows: int, length: in
     padded = [_pad_batch(b, rows, length, pad_token_id) for b in micro_batches]
     padded += [_pad_batch(_filler(micro_batches[0]), rows, length, pad_token_id)] * (num_micro - len(micro_batches))
     stacked = {k: np.stack([b[k] for b in padded]) for k in padded[0]}
-    if _image_features(padded[0]):  # a vision-language step: which micro-batches are real (the loss's divisor)
+    if _image_features(padded[0]):  # embedded from pixels (loads_processor): which micro-batches are real, the divisor
         stacked["micro_real"] = (np.arange(num_micro) < len(micro_batches)).astype(np.float32)
     return stacked
 

@@ -396,7 +396,8 @@ def _step_batches(ctx, steps: int, **options):
 # what a collated batch hands the model, and its dtype on record (a vision-language batch: M-RoPE positions, pixels
 # and grids besides the ids; its rope deltas are for decoding only)
 BATCH_FIELDS = {"input_ids": np.int32, "attention_mask": np.int32, "labels": np.int32, "position_ids": np.int32,
-                "pixel_values": np.float32, "image_grid_thw": np.int64}
+                "pixel_values": np.float32, "image_grid_thw": np.int64, "input_features": np.float32,
+                "feature_attention_mask": np.int64}
 
 
 def batch_arrays(batch: dict) -> dict[str, np.ndarray]:

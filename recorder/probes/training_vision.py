@@ -77,6 +77,25 @@ def probe_vision_rope(ctx):
     return {"grid_thw": VISION_GRIDS}, {"positions": n(pos).astype(np.float32), "cos": n(cos), "sin": n(sin)}
 
 
+def probe_vision_windows(ctx):
+    """Qwen2.5-VL's windows over three images' merged tokens (window_index): the permutation and the bounds."""
+    vision = importlib.import_module("torch_sources.models.vision")
+    c = ctx.config.vision
+    perm, cu = vision.window_index(t(VISION_GRIDS), c.window_size, c.spatial_merge_size, c.patch_size)
+    return {"grid_thw": VISION_GRIDS}, {"perm": n(perm).astype(np.int64), "cu_window_seqlens": n(cu).astype(np.int64)}
+
+
+def probe_audio_tower(ctx):
+    """The audio tower on random log-mel frames of two audios: its output's shape, and whether it is all finite."""
+    c, r = ctx.config.audio, rng_for("audio_tower")
+    lengths = np.array([20, 13], np.int64)
+    frames = r.standard_normal((c.num_mel_bins, int(lengths.sum()))).astype(np.float32)
+    with torch.no_grad():
+        out = n(ctx.model.audio_features(t(frames), t(lengths)))
+    return {"input_features": frames, "feature_lens": lengths}, {
+        "shape": np.array(out.shape, np.int64), "finite": np.array(np.isfinite(out).all(), np.int64)}
+
+
 def _rows_with_images(ctx, name: str, grids, texts) -> tuple[np.ndarray, np.ndarray]:
     """Two right-padded rows of random text runs (lengths `texts[b]`) with an image span between consecutive runs:
     row 0 holds the first grid's image, row 1 the other two. -> ids i64[2,T], mask i64[2,T]."""
@@ -203,5 +222,5 @@ def probe_pixel_grad(ctx):
 
 
 PROBES = {name: globals()[f"probe_{name}"] for name in (
-    "image_regularize", "image_processor", "vision_rope", "mrope", "patch_embed", "vision_block", "vision_merger",
-    "deepstack", "vision_tower", "logits_images", "pixel_grad")}
+    "image_regularize", "image_processor", "vision_rope", "mrope", "patch_embed", "vision_windows", "vision_block",
+    "vision_merger", "deepstack", "audio_tower", "vision_tower", "logits_images", "pixel_grad")}

@@ -364,7 +364,7 @@ def test_refusals(path, value, match):
 
 
 def test_checkpoint_is_reproducible(tmp_path):
-    code = ("import sys; sys.path.insert(0, 'tools'); from vl_checkpoints_qwen2_omni import make_qwen2_omni; "
+    code = ("import sys; sys.path.insert(0, 'tools'); from checkpoints_qwen2_omni import make_qwen2_omni; "
             f"make_qwen2_omni({str(tmp_path)!r})")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
     for name in ("config.json", "generation_config.json", "model.safetensors"):

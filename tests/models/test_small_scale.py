@@ -226,9 +226,10 @@ TORCH_CLASSES = {"llama3": "llama3.LlamaForCausalLM", "llama3-reward": "llama3.L
                  "qwen2": "qwen2.Qwen2ForCausalLM", "qwen3": "qwen3.Qwen3ForCausalLM", "phi4": "phi4.Phi3ForCausalLM",
                  "starcoder2": "starcoder2.Starcoder2ForCausalLM", "gpt_oss": "gpt_oss.GptOssForCausalLM",
                  "qwen2_vl": "qwen2_vl.Qwen2VLForConditionalGeneration",
-                 "qwen3_vl": "qwen3_vl.Qwen3VLForConditionalGeneration"}
+                 "qwen3_vl": "qwen3_vl.Qwen3VLForConditionalGeneration",
+                 "qwen2_omni": "qwen2_omni.Qwen2OmniThinkerForConditionalGeneration"}
 SEQ = 300  # past every sliding window (128, 256)
-VL_FAMILIES = ("qwen2_vl", "qwen3_vl")  # transformers loads them as image-text-to-text models (text-only logits here)
+VL_FAMILIES = ("qwen2_vl", "qwen3_vl", "qwen2_omni")  # transformers loads them as image-text-to-text models (text-only logits here)
 
 
 @pytest.mark.slow
@@ -258,7 +259,8 @@ def test_small_checkpoint_loads_in_the_torch_source_and_transformers_alike(famil
         assert held == small.param_count(family) - value_head
     extra = {"experts_implementation": "eager", "quantization_config": transformers.Mxfp4Config(dequantize=True)} \
         if family == "gpt_oss" else {}
-    auto = transformers.AutoModelForImageTextToText if family in VL_FAMILIES else transformers.AutoModelForCausalLM
+    auto = (transformers.Qwen2_5OmniThinkerForConditionalGeneration if family == "qwen2_omni"
+            else transformers.AutoModelForImageTextToText if family in VL_FAMILIES else transformers.AutoModelForCausalLM)
     hf = auto.from_pretrained(ckpt, attn_implementation="eager", dtype=torch.float32, **extra).eval()
     ids = torch.randint(0, small.SMALL_VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -263,7 +263,7 @@ def test_qwen2_omni_tokenizer():
     template makes <|im_end|> the eos."""
     import sys
     sys.path.insert(0, str(ROOT / "tools"))
-    from vl_checkpoints_qwen2_omni import OMNI_IDS, QWEN2_OMNI_CONFIG
+    from checkpoints_qwen2_omni import OMNI_IDS, QWEN2_OMNI_CONFIG
     hf = AutoTokenizer.from_pretrained(str(TOKENIZER), local_files_only=True)
     assert {t: hf.convert_tokens_to_ids(t) for t in OMNI_IDS} == OMNI_IDS
     assert (hf.bos_token, hf.eos_token, hf.pad_token) == (None, "<|im_end|>", "<|endoftext|>")

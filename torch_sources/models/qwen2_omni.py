@@ -38,7 +38,7 @@ from torch_sources.models.vision import Qwen2_5VisionTransformer, Qwen2_5VLVisio
 
 AUTO_MODEL = ("qwen2_5_omni", "Qwen2OmniThinkerForConditionalGeneration")  # HF model_type -> this file's model (models/auto.py finds it here)
 __all__ = [
-    "CONFIG_KEYS", "TEXT_KEYS", "WRAPPER_KEYS", "Qwen2OmniConfig", "thinker_state",
+    "CONFIG_KEYS", "TEXT_KEYS", "WRAPPER_KEYS", "Qwen2OmniConfig",
     "layer_inputs", "merge_image_embeddings", "merge_audio_embeddings", "refuse_unplaced_tokens",
     "Qwen2OmniThinkerTextModel", "Qwen2OmniThinkerForConditionalGeneration",
 ]
@@ -125,7 +125,7 @@ class Qwen2OmniConfig(LanguageModelView):
         return cls.from_hf(load_config(path))
 
 
-def thinker_state(named_tensors):
+def _thinker_state(named_tensors):
     """(HF name, tensor) pairs -> {thinker-relative name: tensor}: `thinker.` stripped, the speech-output modules
     (`talker.*`, `token2wav.*`, present when enable_audio_output) dropped as transformers' thinker drops them;
     any other name is refused."""
@@ -248,7 +248,7 @@ class Qwen2OmniThinkerForConditionalGeneration(nn.Module):
         config = Qwen2OmniConfig.from_pretrained(path)
         with torch.device("meta"):  # no random init: every parameter comes from the checkpoint
             model = cls(config)
-        state = {k: v.to(torch.float32) for k, v in thinker_state(iter_tensors(path)).items()}
+        state = {k: v.to(torch.float32) for k, v in _thinker_state(iter_tensors(path)).items()}
         if config.tie_word_embeddings:
             state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
         model.load_state_dict(state, strict=True, assign=True)

@@ -11,7 +11,7 @@ from_pretrained wants one; the thinker class loads this directory as it is).
 
 Token ids: Omni's specials in the release's order from 400 (400 + release id - 151643): <|AUDIO|> 403,
 <|audio_bos|> 404, <|audio_eos|> 405, <|vision_bos|> 409, <|vision_eos|> 410, <|IMAGE|> 412, <|VIDEO|> 413.
-`python tools/make_vl_checkpoints.py qwen2_omni` reproduces the files byte for byte.
+`python tools/make_checkpoints.py qwen2_omni` reproduces the files byte for byte.
 """
 
 from __future__ import annotations
@@ -182,3 +182,19 @@ def make_qwen2_omni(out_dir) -> Path:
     vision tower 2 x 32 with windows; audio encoder 2 x 32 over 128 mel bins)."""
     return write_checkpoint(out_dir, QWEN2_OMNI_CONFIG, qwen2_omni_tensors(QWEN2_OMNI_CONFIG, QWEN2_OMNI_SEED),
                             QWEN2_OMNI_GENERATION_CONFIG)
+
+# tools/checkpoints_small.py (scale=small): the thinker nests every config, so the small row replaces
+# thinker_config whole: Qwen2's small widths (hidden 768, 12 layers, GQA 12/2, head_dim 64: M-RoPE sections [8, 12,
+# 12] of 32 pairs), a 4-block 256-wide Qwen2.5-VL tower (block 3 attending fully) and a 4-layer 256-wide audio
+# encoder, both projecting into 768
+SMALL_OVERRIDES = {"thinker_config": {
+    **QWEN2_OMNI_CONFIG["thinker_config"],
+    "text_config": {**QWEN2_OMNI_TEXT_CONFIG, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+                    "num_attention_heads": 12, "num_key_value_heads": 2, "max_window_layers": 12,
+                    "max_position_embeddings": 2048, "sliding_window": 2048, "vocab_size": 32000,
+                    "rope_scaling": {"mrope_section": [8, 12, 12], "rope_type": "default", "type": "default"}},
+    "vision_config": {**QWEN2_OMNI_VISION_CONFIG, "depth": 4, "embed_dim": 256, "hidden_size": 256,
+                      "intermediate_size": 1024, "fullatt_block_indexes": [3], "out_hidden_size": 768},
+    "audio_config": {**QWEN2_OMNI_AUDIO_CONFIG, "d_model": 256, "encoder_layers": 4, "encoder_ffn_dim": 1024,
+                     "output_dim": 768},
+}}
