@@ -11,7 +11,11 @@ functions, driven by the torch source's forward, give the source's own evaluate_
 A vision-language prompt batch (M-RoPE) also hands `decode` its prompt positions: the prompt keeps them and each
 new token sits at its text position + the row's rope delta (transformers' generate, torch_sources'
 mrope.decode_positions); the images are the forward's business. Its queries start at the first attended token
-(the workflow's rule: LF's fake image, masked, stays out of what the reward model scores).
+(the workflow's rule: LF's fake image, masked, stays out of what the reward model scores). The deltas `decode`
+derives (`rope_deltas`: largest attended position + 1 - attended count) are the ones the workflow's generation
+continues: the collator's for Qwen2-VL / Qwen3-VL, and for Qwen2.5-Omni's thinker its prompt_vision's (taken against
+the text positions; LF's Omni collator hands deltas against the absolute column, which decode does not use). An Omni
+batch's fake audio, like its images, is the forward's business.
 
 Numpy only: the parent runs the scoring on untrusted token ids, so ids and shapes are checked first.
 """

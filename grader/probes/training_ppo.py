@@ -5,7 +5,10 @@ decodes with grader code (catalog/ppo_eval.py) over the candidate's public forwa
 A vision-language task's images are encoded by the candidate (its prompt_vision on the recorded prompt batch:
 pixels, grids, M-RoPE positions); the step batch's per-token image features are laid out here as the rollout
 batch carries them (jax_oracles/training/ppo.py's docstring): each query's columns from its prompt's tail, a
-response column the image-pad token's text features.
+response column the image-pad token's text features. An Omni batch (Qwen2.5-Omni's thinker) also carries LF's fake
+audio (input_features, feature_attention_mask): the candidate's prompt_vision runs it through its audio tower, its
+rows sit at the audio tokens (a response column: the audio token's text features), and the L6 forward takes a
+sampled video token as text (video_tokens_as_text), as the workflow's generate does.
 """
 from __future__ import annotations
 
@@ -20,9 +23,12 @@ from catalog.workloads import GAE_OPTIONS, KL_COEFS, PPO_TIE_STATS, ROLLOUT_SAMP
 from grader.probes.training import _lora_from_inputs, n
 
 LOSS_ARGS = ("old_logprobs", "values", "logits", "vpreds", "logprobs", "mask", "advantages", "returns")
-# a recorded prompt batch: ids and mask, and a VL batch's M-RoPE positions, rope deltas, pixels and grids
-PROMPT_FIELDS = ("input_ids", "attention_mask", "position_ids", "rope_deltas", "pixel_values", "image_grid_thw")
-_TOKEN = "token_"  # prompt_vision's per-token image features: token_<forward keyword> f32[B,P,...]
+# a recorded prompt batch: ids and mask, and a VL batch's M-RoPE positions, rope deltas, pixels and grids (an Omni
+# batch's: LF's fake audio too, input_features and feature_attention_mask)
+PROMPT_FIELDS = ("input_ids", "attention_mask", "position_ids", "rope_deltas", "pixel_values", "image_grid_thw",
+                 "input_features", "feature_attention_mask")
+_TOKEN = "token_"  # prompt_vision's per-token tower features: token_<forward keyword> f32[B,P,...]
+_AUDIO = "audio_embeds"  # Omni's audio rows (the fake audio's), read at the audio tokens
 
 
 def _prompts(ctx) -> list[dict]:
@@ -45,19 +51,30 @@ def _prompt_features(ctx, policy, batch: dict) -> dict:
 
 
 def _text_features(policy, prompt: dict) -> dict:
-    """What a generated image-pad token carries (the workflow's rule: it is text): the candidate's embedding of
-    the token as its merged patch, zero for an added feature (DeepStack's)."""
-    ids = jnp.full((1, 1), policy.module.config.image_token_id, jnp.int32)
-    text = np.asarray(policy.module.apply({"params": policy.params}, ids, method="embed"))[0, 0]
-    return {k: text if k == _TOKEN + "image_embeds" else np.zeros(v.shape[2:], np.float32) for k, v in prompt.items()}
+    """What a generated image-pad (or audio) token carries (the workflow's rule: it is text): the candidate's
+    embedding of the token as its merged patch (its audio row), zero for an added feature (DeepStack's)."""
+    def text(token_id):
+        ids = jnp.full((1, 1), token_id, jnp.int32)
+        return np.asarray(policy.module.apply({"params": policy.params}, ids, method="embed"))[0, 0]
+    config = policy.module.config
+    return {k: text(config.image_token_id) if k == _TOKEN + "image_embeds"
+            else text(config.audio_token_id) if k == _TOKEN + _AUDIO else np.zeros(v.shape[2:], np.float32)
+            for k, v in prompt.items()}
 
 
-def _image_inputs(image_token_id: int, ids, features: dict) -> dict:
-    """The forward's image keywords from per-token features f32[B,T,...]: row k = the k-th image token's (reading
-    order), padded to B*T rows (never read past the count)."""
-    flat = (ids == image_token_id).reshape(-1)
-    (where,) = jnp.nonzero(flat, size=flat.shape[0], fill_value=0)
-    return {k[len(_TOKEN):]: v.reshape(flat.shape[0], *v.shape[2:])[where] for k, v in features.items()}
+def _image_inputs(config, ids, features: dict) -> dict:
+    """The forward's tower keywords from per-token features f32[B,T,...]: row k = the k-th image token's (Omni's
+    audio rows: audio token's; reading order), padded to B*T rows (never read past the count); an Omni batch's
+    forward also takes a sampled video token as text (video_tokens_as_text), as the workflow's generate does."""
+    out = {}
+    for k, v in features.items():
+        keyword = k[len(_TOKEN):]
+        flat = (ids == (config.audio_token_id if keyword == _AUDIO else config.image_token_id)).reshape(-1)
+        (where,) = jnp.nonzero(flat, size=flat.shape[0], fill_value=0)
+        out[keyword] = v.reshape(flat.shape[0], *v.shape[2:])[where]
+    if _AUDIO in out:
+        out["video_tokens_as_text"] = True
+    return out
 
 
 def _with_images(features: list[dict], names) -> list[dict]:
@@ -274,7 +291,9 @@ def probe_ppo_e2e_eval(ctx, inp):
 def _heldout_forward(ctx, model, variables, inp, i: int, text_apply):
     """forward(ids, mask, positions) -> logits for ppo_eval.decode on held-out batch i: the candidate's public
     forward, jitted (text_apply for a text batch); a VL batch's image features at its prompt's image tokens (the
-    candidate's prompt_vision), a generated image-pad token embedded as text (as the workflow's generate does)."""
+    candidate's prompt_vision; an Omni batch's audio rows at its audio tokens, through the candidate's audio
+    tower), a generated image-pad (audio) token embedded as text, an Omni batch's sampled video token as text (as
+    the workflow's generate does)."""
     if f"b{i}.pixel_values" not in inp:
         return lambda a, b, c: n(text_apply(a, b, c))
     batch = _prompt_batch(inp, f"b{i}.")
@@ -284,9 +303,9 @@ def _heldout_forward(ctx, model, variables, inp, i: int, text_apply):
     B, N = len(batch["input_ids"]), int(inp["gen.max_new_tokens"])
     features = {k: jnp.concatenate([v, jnp.broadcast_to(text[k], (B, N, *text[k].shape))], axis=1)
                 for k, v in prompt.items()}
-    image_token_id = model.module.config.image_token_id
+    config = model.module.config
     apply = jax.jit(lambda ids, mask, pos, f: model.module.apply(variables, ids, mask, pos,
-                                                                 **_image_inputs(image_token_id, ids, f)))
+                                                                 **_image_inputs(config, ids, f)))
     return lambda a, b, c: n(apply(a, b, c, features))
 
 

@@ -5,7 +5,9 @@ this file is grader/probes/training_ppo.py.
 A vision-language task (its template's collator has an mm context) records what the torch workflow hands its
 model besides the ids: the prompt batch's M-RoPE positions, rope deltas, pixels and grids (generation, the held-out
 batches), the step batch's row_positions with its prompt batch (the candidate encodes the images itself), and
-each fixed-steps prompt's image names (read from the task's data dir). A text task records as before.
+each fixed-steps prompt's image names (read from the task's data dir). An Omni batch adds LF's fake audio
+(input_features, feature_attention_mask), and its L6 decode continues prompt_vision's rope deltas (taken against
+the text positions, not the collator's). A text task records as before.
 """
 from __future__ import annotations
 
@@ -361,44 +363,55 @@ def _heldout_batches(ctx) -> list[dict]:
     return [collate(held_out[s:s + size]) for s in range(0, len(held_out), size)]
 
 
-_TOKEN = "token_"  # prompt_vision's per-token image features: token_<forward keyword> f32[B,P,...]
+_TOKEN = "token_"  # prompt_vision's per-token tower features: token_<forward keyword> f32[B,P,...]
+_AUDIO = "audio_embeds"  # Omni's audio rows (the fake audio's), read at the audio tokens
+
+
+def _feature_token(config, keyword: str) -> int:
+    """The token a keyword's rows sit at: the image-pad token's, Omni's audio rows the audio token's."""
+    return config.audio_token_id if keyword == _AUDIO else getattr(config, "image_token_id", -1)
 
 
 def _text_features(lm, prompt: dict) -> dict:
-    """What a generated image-pad token carries (the workflow's rule: it is text): the token's own embedding as
-    its merged patch, zero for an added feature (DeepStack's)."""
-    text = lm.embed(torch.tensor([[lm.config.image_token_id]]))[0, 0].detach()
-    return {k: text if k == _TOKEN + "image_embeds" else torch.zeros(v.shape[2:]) for k, v in prompt.items()}
+    """What a generated image-pad (or audio) token carries (the workflow's rule: it is text): the token's own
+    embedding as its merged patch (its audio row), zero for an added feature (DeepStack's)."""
+    def text(token_id):
+        return lm.embed(torch.tensor([[token_id]]))[0, 0].detach()
+    return {k: text(lm.config.image_token_id) if k == _TOKEN + "image_embeds"
+            else text(lm.config.audio_token_id) if k == _TOKEN + _AUDIO else torch.zeros(v.shape[2:])
+            for k, v in prompt.items()}
 
 
 def _forward(ctx, model, batch: dict):
-    """The policy's forward(ids, mask, positions) -> logits for ppo_eval.decode on one prompt batch, as the
-    workflow's generate runs it: a VL batch's image features at its prompt's image tokens (prompt_vision), a
-    generated image-pad token embedded as text."""
+    """(The policy's forward(ids, mask, positions) -> logits for ppo_eval.decode on one prompt batch, as the
+    workflow's generate runs it; prompt_vision's output, None for text): a VL batch's image features at its
+    prompt's image tokens (an Omni batch's audio rows at its audio tokens), a generated image-pad (audio) token
+    embedded as text, and for Omni a sampled video token as text (video_tokens_as_text)."""
     lm = model.pretrained_model
     vision = ctx.workflow.prompt_vision(model, batch)
     prompt = {} if vision is None else {k: v for k, v in vision.items() if k.startswith(_TOKEN)}
     text = _text_features(lm, prompt) if prompt else {}
+    omni = {"video_tokens_as_text": True} if _TOKEN + _AUDIO in prompt else {}
 
     def forward(ids, mask, pos):
         ids = t(ids).long()
         new = ids.shape[1] - batch["input_ids"].shape[1]
-        at_images = ids == getattr(lm.config, "image_token_id", -1)
-        features = {k[len(_TOKEN):]: torch.cat([v, text[k].expand(len(ids), new, *text[k].shape)], dim=1)[at_images]
-                    for k, v in prompt.items()}
+        features = {k[len(_TOKEN):]: torch.cat([v, text[k].expand(len(ids), new, *text[k].shape)], dim=1)[
+            ids == _feature_token(lm.config, k[len(_TOKEN):])] for k, v in prompt.items()}
         with torch.no_grad():
-            return n(lm(ids, t(mask).long(), t(pos).long(), **features))
-    return forward
+            return n(lm(ids, t(mask).long(), t(pos).long(), **features, **omni))
+    return forward, vision
 
 
-def _decode_positions(batch: dict):
+def _decode_positions(batch: dict, vision):
     """A VL batch's prompt positions for ppo_eval.decode (None for text), after checking that ppo_eval's rope
-    deltas, derived from them, are the collator's."""
-    if "rope_deltas" not in batch:
+    deltas, derived from them, are the ones the workflow's generation continues (prompt_vision's: the collator's
+    for Qwen2-VL / Qwen3-VL, an Omni prompt's taken against its text positions)."""
+    if vision is None:
         return None
     positions, mask = n(batch["position_ids"]), n(batch["attention_mask"])
-    if not np.array_equal(rope_deltas(positions, mask), n(batch["rope_deltas"])[:, 0]):
-        raise RuntimeError("catalog/ppo_eval.rope_deltas differs from the collator's rope_deltas")
+    if not np.array_equal(rope_deltas(positions, mask), n(vision["rope_deltas"]).reshape(-1)):
+        raise RuntimeError("catalog/ppo_eval.rope_deltas differs from the rope deltas of the workflow's prompt_vision")
     return positions
 
 
@@ -421,7 +434,8 @@ def probe_heldout_reward(ctx):
     settings = {k[len("gen."):]: v for k, v in gen.items()}
     produced = {}
     for i, b in enumerate(batches):
-        forward, positions = _forward(ctx, model, b), _decode_positions(b)
+        forward, vision = _forward(ctx, model, b)
+        positions = _decode_positions(b, vision)
         for k in range(a.eval_samples):
             noise = eval_noise(k, i, (len(b["input_ids"]), a.max_new_tokens, ctx.config.vocab_size))
             responses, logits = decode(forward, n(b["input_ids"]), n(b["attention_mask"]), noise, settings, positions)

@@ -117,3 +117,55 @@ def test_heldout_forward_sees_the_images():
                               pixel_values=jnp.asarray(inp["b0.pixel_values"]), image_grid_thw=inp["b0.image_grid_thw"])
     attended = mask.astype(bool)
     np.testing.assert_allclose(got[attended], np.asarray(want)[attended], atol=2e-5)
+
+
+OMNI_CKPT, OMNI_TOKENIZER = ROOT / "assets/checkpoints/qwen2_omni", ROOT / "assets/tokenizer/qwen2_omni"
+OMNI_ARGS = {**ARGS, "template": "qwen2_omni", "cutoff_len": 160}
+
+
+def test_omni_rope_deltas_are_prompt_visions():
+    """Qwen2.5-Omni's thinker: the deltas ppo_eval derives are the ones the workflow's generation continues
+    (prompt_vision's, against the text positions), not LF's Omni collator's (against the absolute column)."""
+    args = tppo.PPOArgs(**OMNI_ARGS)
+    model = tppo.load_policy(OMNI_CKPT, args)
+    collate = tppo.make_collator(args, OMNI_TOKENIZER, DATA, model.pretrained_model.rope_index)
+    features = tppo.load_prompt_dataset(OMNI_TOKENIZER, DATA, "train", args)
+    batch = collate([features[i] for i in (0, 1, 3, 4)])
+    assert "input_features" in batch
+    vision = tppo.prompt_vision(model, batch)
+    deltas = ppo_eval.rope_deltas(batch["position_ids"].numpy(), batch["attention_mask"].numpy())
+    assert deltas.tolist() == vision["rope_deltas"][:, 0].tolist()
+    assert "token_audio_embeds" in vision
+
+
+def test_omni_heldout_forward_is_the_workflows():
+    """The L6 child's forward on an Omni prompt batch (the candidate's audio tower on LF's fake audio, its rows at
+    the audio tokens, a sampled audio / video / image-pad token as text) gives the logits of the JAX workflow's own
+    generate inputs on the same buffer."""
+    args = jppo.PPOArgs(**OMNI_ARGS)
+    model = jppo.load_model(OMNI_CKPT, jppo.lora_config(args))
+    collate = jppo.make_collator(args, OMNI_TOKENIZER, data_dir=DATA, rope_index=model.module.rope_index)
+    b = collate(jppo.load_prompt_dataset(OMNI_TOKENIZER, DATA, "eval", args)[:2])
+    inp = {f"b0.{k}": np.asarray(b[k]) for k in probes.PROMPT_FIELDS if k in b and k != "rope_deltas"}
+    assert "b0.input_features" in inp
+    inp["gen.max_new_tokens"] = np.int64(3)
+    variables = {"params": model.params}
+    forward = probes._heldout_forward(SimpleNamespace(workflow=jppo), model, variables, inp, 0, None)
+    ids, mask = inp["b0.input_ids"], inp["b0.attention_mask"]
+    c = model.module.config
+    new = np.array([[c.audio_token_id, c.video_token_id, 5], [c.image_token_id, 7, c.audio_token_id]], ids.dtype)
+    buffer = [np.concatenate([ids, new], 1), np.concatenate([mask, np.ones((2, 3), mask.dtype)], 1)]
+    prompt_positions = inp["b0.position_ids"]
+    positions = ppo_eval._positions(buffer[1], prompt_positions, ppo_eval.rope_deltas(prompt_positions, mask))
+    got = forward(*buffer, positions)
+    vision = jppo.prompt_vision(model, {**{k[3:]: v for k, v in inp.items() if k.startswith("b0.")},
+                                        "rope_deltas": b["rope_deltas"]})
+    prompt = {k: v for k, v in vision.items() if k.startswith("token_")}
+    assert "token_audio_embeds" in prompt
+    text = jppo._text_features(model.module, model.params, {k[6:]: v for k, v in prompt.items()})
+    features = {k[6:]: jnp.concatenate([v, jnp.broadcast_to(text[k[6:]], (2, 3, *text[k[6:]].shape))], 1)
+                for k, v in prompt.items()}
+    want = model.module.apply(variables, jnp.asarray(buffer[0]), jnp.asarray(buffer[1]), jnp.asarray(positions),
+                              **jppo._image_inputs(model.module, jnp.asarray(buffer[0]), features))
+    attended = buffer[1].astype(bool)
+    np.testing.assert_allclose(got[attended], np.asarray(want)[attended], atol=2e-5)
