@@ -238,7 +238,10 @@ def _train_step_fn(module, tx):
 def _eval_fn(module):
     def batch_loss(params, lora, batch):  # -> the batch's token-mean CE (HF: its own num_items_in_batch)
         variables = {"params": params} if lora is None else {"params": params, "lora": lora}
-        return causal_lm_loss(_forward(module, variables, batch), batch["labels"], _label_count(batch["labels"]))
+        # with a processor (image features: embedded from pixels, loads_processor) no num_items reaches the loss:
+        # the mean over the shifted labels
+        num_items = None if _image_features(batch) else _label_count(batch["labels"])
+        return causal_lm_loss(_forward(module, variables, batch), batch["labels"], num_items)
 
     return jax.jit(batch_loss)
 

@@ -74,6 +74,7 @@ def test_vl_queries_start_at_the_first_attended_token():
     assert [x.tolist() for x in got] == [x.tolist() for x in want]
 
 
+@pytest.mark.slow  # CI time (9-13 s): the rope-delta and query tests stay in CI; qwen2-vl-sft grades there
 def test_grader_step_features_are_the_rollouts():
     """The JAX rollout's batch (per-token image features of query + response) against the grader's layout from the
     same prompt batch through prompt_vision: the same arrays."""
@@ -96,6 +97,7 @@ def test_grader_step_features_are_the_rollouts():
         np.testing.assert_array_equal(np.asarray(got[k]), want[k])
 
 
+@pytest.mark.slow  # CI time (9-13 s): the rope-delta and query tests stay in CI; qwen2-vl-sft grades there
 def test_heldout_forward_sees_the_images():
     """The L6 child's forward on the decode buffer (prompt + new columns, masked): at the prompt's attended
     positions, the model's logits with the pixels (a pad position attends to nothing: its logits are noise)."""
@@ -138,6 +140,7 @@ def test_omni_rope_deltas_are_prompt_visions():
     assert "token_audio_embeds" in vision
 
 
+@pytest.mark.slow  # CI time (9-13 s): the rope-delta and query tests stay in CI; qwen2-vl-sft grades there
 def test_omni_heldout_forward_is_the_workflows():
     """The L6 child's forward on an Omni prompt batch (the candidate's audio tower on LF's fake audio, its rows at
     the audio tokens, a sampled audio / video / image-pad token as text) gives the logits of the JAX workflow's own

@@ -47,16 +47,15 @@ VL_PPO = ("LF 0.9.5's PPO cannot run a Qwen-VL model (transformers 5.6, TRL 0.9.
           "(docs/ARCHITECTURE.md, torch_sources/training/ppo.py)")
 VL_PPO_STOP = "KeyError: 'labels'"  # the message LF's run must stop with for VL_PPO to be the reason
 VL_PPO_CELLS = ("losses", "adapter", "metrics", "config")
-# A finding, not a reason: the cells it marks are still judged (and fail). LF's SFT trainer with a processor (a
-# vision-language task) normalizes the loss its own way; the hf_loss_kwargs runs undo that one flag and show what
-# is left. Attached only where LF's run reports the flag off while HF's own rule has it on.
+# LF's SFT trainer with a processor (a vision-language task) normalizes the loss its own way, and the torch source
+# follows it (torch_sources/training/sft.py loads_processor); the hf_loss_kwargs runs restore HF's own rule in LF and
+# measure what LF's choice changes (an effect, not judged).
 MM_LOSS = ("LF 0.9.5's CustomSeq2SeqTrainer sets model_accepts_loss_kwargs = False whenever a processor is loaded "
            "(any multimodal model: 'avoid wrong loss under gradient accumulation', transformers PR 36044), so HF's "
            "Trainer passes no num_items_in_batch: each micro-batch's loss is the model's own mean over its own "
-           "shifted labels, divided by GA (the step loss is the mean of the micro-batch means). The torch source "
-           "divides each micro-batch's summed CE by the labelled positions of the whole step (LF's text path: HF's "
-           "rule for a model whose forward takes **kwargs). The hf_loss_kwargs run is LF's run with HF's own "
-           "value of model_accepts_loss_kwargs restored and nothing else changed")
+           "shifted labels, divided by GA. The torch source does the same (sft.loads_processor). The hf_loss_kwargs "
+           "run is LF's run with HF's own value of model_accepts_loss_kwargs restored and nothing else changed: "
+           "what LF's choice moves, measured, not judged")
 HF_LOSS_KWARGS = "hf_loss_kwargs"  # the cell prefix of those runs
 
 
@@ -183,19 +182,16 @@ MM_EFFECT = "run with HF's own model_accepts_loss_kwargs (the hf_loss_kwargs run
 
 
 def _mm_loss_finding(job: Job, lf: dict, cells: dict, prefix: str, result) -> bool:
-    """Where LF's SFT trainer turned model_accepts_loss_kwargs off against HF's own rule (MM_LOSS): mark the
-    run's loss-derived cells with the finding (still judged), and run LF again with HF's value restored
-    (cells hf_loss_kwargs.<prefix>*, judged). True when it applied."""
+    """Where LF's SFT trainer turned model_accepts_loss_kwargs off against HF's own rule (MM_LOSS, which the source
+    follows): run LF again with HF's value restored (cells hf_loss_kwargs.<prefix>*: a measured effect, not
+    judged). True when it applied."""
     flags = lf.get("model_accepts_loss_kwargs") or {}
     if job.method != "sft" or flags.get("lf") is not False or flags.get("hf") is not True:
         return False
-    for name in ("losses", "adapter", "eval"):
-        if prefix + name in cells:
-            cells[prefix + name]["finding"] = MM_LOSS
     ajob = Job(**{**job.__dict__, "work": job.work / HF_LOSS_KWARGS, "variants": {}})
     alf = run_lf(ajob, extra={"hf_loss_kwargs": True})
     for name, cell in _run_cells(ajob, alf, result).items():
-        cells[f"{HF_LOSS_KWARGS}.{prefix}{name}"] = cell
+        cells[f"{HF_LOSS_KWARGS}.{prefix}{name}"] = {**cell, "reason": MM_LOSS}
     return True
 
 

@@ -241,7 +241,8 @@ def mean_of_batch_losses(batch_losses: list[float]) -> float:
 def _evaluate(model, features: list[dict], batch_size: int, collate=None) -> float:
     """HF prediction_step per batch of features (in order): compute_loss with num_items_in_batch =
     this batch's labelled positions (loss.count_label_tokens), i.e. the batch's token mean unless the first
-    position is labelled (train_on_prompt); then mean_of_batch_losses. `collate`: a vision-language task's
+    position is labelled (train_on_prompt); with a processor (loads_processor) none reaches the loss, which is the
+    model's own mean over the shifted labels; then mean_of_batch_losses. `collate`: a vision-language task's
     collator; text rows are padded with 0 (pads are masked and unlabelled: their id is irrelevant)."""
     collate = collate or SFTDataCollator(pad_token_id=0)
     losses = []
@@ -249,7 +250,8 @@ def _evaluate(model, features: list[dict], batch_size: int, collate=None) -> flo
         batch = collate(features[s:s + batch_size])
         input_ids, attention_mask, labels = _batch_tensors(batch)
         logits = model(input_ids, attention_mask, **model_inputs(batch))
-        losses.append(causal_lm_loss(logits, labels, count_label_tokens(labels)).item())
+        num_items = None if loads_processor(batch) else count_label_tokens(labels)
+        losses.append(causal_lm_loss(logits, labels, num_items).item())
     return mean_of_batch_losses(losses)
 
 
