@@ -12,6 +12,7 @@ Only h5py and numpy here: the grader reads references torch-free.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,14 +64,38 @@ def _attr(v):
     return str(v) if isinstance(v, str) else v
 
 
-def _put(group: h5py.Group, name: str, value) -> None:
+COMPRESS_BYTES = 1 << 16  # arrays this large are stored gzip'd with byte shuffling (lossless; h5py reads them as is)
+
+
+def _put(group: h5py.Group, name: str, value, stored: dict | None = None) -> None:
+    """One array under `group`. `stored` (a reference's writer): an array already written in this file, same dtype,
+    shape and bytes, is hard-linked instead of stored twice (a vision-language batch's pixels reach several
+    checks); a large numeric one is compressed."""
     arr = np.asarray(value)
     if arr.dtype == np.float64:
         arr = arr.astype(np.float32)  # references are fp32 by contract
     if arr.dtype.kind in "US":
         group.create_dataset(name, data=arr.astype(h5py.string_dtype()))
-    else:
+        return
+    if stored is None or arr.nbytes < COMPRESS_BYTES:
         group.create_dataset(name, data=arr)
+        return
+    key = (arr.dtype.str, arr.shape, hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest())
+    if key in stored:
+        group[name] = group.file[stored[key]]  # a hard link: one object, read the same through every name
+        return
+    stored[key] = group.create_dataset(name, data=arr, compression="gzip", compression_opts=4, shuffle=True).name
+
+
+def link_names(group: h5py.Group, prefix: str = "") -> list[str]:
+    """Every path below `group` by link: an array stored once and linked from several checks is listed at each
+    (h5py's visit lists an object once)."""
+    out = []
+    for name, obj in group.items():
+        out.append(prefix + name)
+        if isinstance(obj, h5py.Group):
+            out += link_names(obj, f"{prefix}{name}/")
+    return out
 
 
 def write_reference(path: str | Path, attrs: dict, checks: list[CheckRecord],
@@ -81,6 +106,7 @@ def write_reference(path: str | Path, attrs: dict, checks: list[CheckRecord],
     if missing:
         raise ReferenceError(f"reference attrs missing {missing}")
     tmp = path.with_suffix(".h5.tmp")
+    stored: dict = {}
     with h5py.File(tmp, "w") as f:
         for k, v in attrs.items():
             f.attrs[k] = _attr(v)
@@ -93,7 +119,7 @@ def write_reference(path: str | Path, attrs: dict, checks: list[CheckRecord],
             for sub, data in (("inputs", c.inputs), ("outputs", c.outputs)):
                 sg = g.create_group(sub)
                 for name, value in data.items():
-                    _put(sg, name, value)
+                    _put(sg, name, value, stored)
         if band is not None:
             f.create_dataset("L6/band", data=np.asarray(band, np.float32))
     tmp.replace(path)

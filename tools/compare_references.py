@@ -12,6 +12,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from catalog.h5schema import link_names
+
 VOLATILE = {"created", "wall_clock_s", "seconds", "peak_rss_bytes", "rss_at_start_bytes", "source_sha256",
             "config_sha256", "package_versions"}
 
@@ -30,9 +32,7 @@ def _same(a, b) -> bool:
 def compare(old: Path, new: Path) -> tuple[list[str], int]:
     out, count = [], 0
     with h5py.File(old, "r") as f, h5py.File(new, "r") as g:
-        items, names_new = set(), set()
-        f.visit(items.add)  # add returns None: visit goes on (a visitor's non-None return stops it)
-        g.visit(names_new.add)
+        items, names_new = set(link_names(f)), set(link_names(g))  # by link: a shared array counts at each name
         for n in sorted(set(items) ^ names_new):
             out.append(f"{old.stem} {n}: only in {'old' if n in items else 'new'}")
         for n in sorted(set(items) & names_new):

@@ -49,11 +49,13 @@ def _datasets(path):
     import numpy as np
     out = {}
 
-    def keep(name, obj):
-        if isinstance(obj, h5py.Dataset):  # strings by value, numbers by their exact bytes
-            out[name] = repr(obj.asstr()[()].tolist()) if obj.dtype.kind == "O" else np.asarray(obj[()]).tobytes()
+    from catalog.h5schema import link_names
+
     with h5py.File(path, "r") as f:
-        f.visititems(keep)
+        for name in link_names(f):  # by link: an array shared by several checks counts at each name
+            obj = f[name]
+            if isinstance(obj, h5py.Dataset):  # strings by value, numbers by their exact bytes
+                out[name] = repr(obj.asstr()[()].tolist()) if obj.dtype.kind == "O" else np.asarray(obj[()]).tobytes()
     return out
 
 

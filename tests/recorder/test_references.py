@@ -109,3 +109,24 @@ def test_a_changed_source_makes_a_reference_stale(tmp_path, monkeypatch):
     monkeypatch.setattr(prov, "sha256_file", lambda p: "0" * 64 if Path(p) == victim else real(p))
     reasons = stale_reasons(path, cfg)
     assert any("source changed" in r and victim.name in r for r in reasons), reasons
+
+
+def test_a_large_array_two_checks_share_is_stored_once_and_read_at_both(tmp_path):
+    """The writer hard-links an array it already stored (a vision-language batch's pixels reach several checks)
+    and gzips a large one; reading, and the comparison tool's walk by link, see every name with its values."""
+    import h5py
+    import numpy as np
+
+    from catalog.h5schema import link_names
+
+    pixels = np.random.default_rng(0).standard_normal((300, 96)).astype(np.float32)  # 112 KiB: compressed
+    checks = [CheckRecord("L4", name, "numeric", "tensor", {"pixel_values": pixels}, {"y": np.ones(3, np.float32)})
+              for name in ("loss_step0", "lora_grads_step0")]
+    path = tmp_path / "t.h5"
+    write_reference(path, _attrs(), checks)
+    ref = read_reference(path)
+    assert all(np.array_equal(ref.checks[c.key].inputs["pixel_values"], pixels) for c in checks)
+    with h5py.File(path, "r") as f:
+        a, b = (f[f"L4/{n}/inputs/pixel_values"] for n in ("loss_step0", "lora_grads_step0"))
+        assert a.id == b.id and a.compression == "gzip"  # one object, two names
+        assert {f"L4/{n}/inputs/pixel_values" for n in ("loss_step0", "lora_grads_step0")} <= set(link_names(f))
