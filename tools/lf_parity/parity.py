@@ -178,7 +178,6 @@ def _vl_ppo_parity(job: Job, record: dict) -> None:
                                  if error is None else {"max_abs": None, "n": 0, "error": error, **observed})
 
 
-MM_EFFECT = "run with HF's own model_accepts_loss_kwargs (the hf_loss_kwargs runs)"
 
 
 def _mm_loss_finding(job: Job, lf: dict, cells: dict, prefix: str, result) -> bool:
@@ -271,14 +270,13 @@ def task_parity(task: str, work: Path, train_variants: bool = True, ppo_effects:
         _vl_ppo_parity(make_job(task, work / "run"), record)
     elif job.method == "ppo":
         _ppo_parity(make_job(task, work / "run"), record, ppo_effects)
-    mm_loss = False
     if job.train:
         result = project_run(job)
         cells.update(_run_cells(job, lf, result))
         reference = _reference_step_losses(task)
         cells["reference"] = (compare.compare_values(result.step_losses, reference) if reference is not None
                               else {"max_abs": None, "n": 0, "error": "no reference recorded"})
-        mm_loss = _mm_loss_finding(job, lf, cells, "", result)
+        _mm_loss_finding(job, lf, cells, "", result)
     for variant, (overrides, lf_overrides, reason) in (TRAIN_VARIANTS[job.method].items()
                                                        if train_variants and job.train else ()):
         vjob = make_job(task, work / variant, overrides, lf_overrides=lf_overrides)
@@ -288,11 +286,7 @@ def task_parity(task: str, work: Path, train_variants: bool = True, ppo_effects:
                 cells[f"{variant}.{name}"] = {"max_abs": None, "n": 0, "error": None,
                                               "reason": f"{variant}: the template refuses it on both sides (tokens)"}
             continue
-        if mm_loss and reason is not None:  # a measured effect: LF's loss normalization undone, so that only
-            reason += "; " + MM_EFFECT      # this variant's own difference is measured
-            vlf = run_lf(vjob, extra={"hf_loss_kwargs": True})
-        else:
-            vlf = run_lf(vjob)
+        vlf = run_lf(vjob)  # LF as it is: the source follows its loss rule under a processor too (MM_LOSS)
         vresult = result if not overrides else project_run(vjob)
         for name, cell in _run_cells(vjob, vlf, vresult).items():
             cells[f"{variant}.{name}"] = cell if reason is None else {**cell, "reason": reason}
