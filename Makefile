@@ -12,6 +12,8 @@ LFSTAMP := $(VENV_LF)/.installed-stamp
 TASK   ?= llama3-sft
 SCALE  ?= tiny
 JOBS   ?= 2
+# make test's pytest-xdist workers, one test file each at a time (module fixtures are built once per file)
+TEST_JOBS ?= 2
 PYTEST := $(PY) -m pytest -q -p no:randomly
 
 .PHONY: lf-env lf-parity venv verifier sandbox record record-all grade grade-all calibrate stability coverage-torch sweep test test-full bench assets stale clean-venv
@@ -97,7 +99,7 @@ stale: venv
 test: venv sandbox    ## the CI suite: fast tests + the static independence contract
 	$(PY) -m recorder stale=true
 	.venv/bin/lint-imports --config pyproject.toml
-	$(PYTEST) -m "not slow and not gpu"
+	$(PYTEST) -n $(TEST_JOBS) --dist loadfile -m "not slow and not gpu"
 
 test-full: venv sandbox   ## everything, slow tests included (every recorded task graded)
 	$(PYTEST) -m "not gpu"

@@ -270,9 +270,10 @@ def _cheat_source(how: str, tmp_path: Path) -> str:
 CHEATS = (*(f"spawn {h}" for h in _SPAWNS), "multiprocessing worker", "sys.meta_path edited", *READS, "report")
 
 
-# CI runs one interpreter spawn ("another python": no guard at all); the other spawn flags in make test-full
-_CI_CHEATS = [h if h not in ("spawn -I", "spawn -S", "spawn posix_spawn") else pytest.param(h, marks=pytest.mark.slow)
-              for h in CHEATS]
+# CI runs one interpreter spawn ("another python": no guard at all), one read through native code, one through
+# a file format and one through an earlier report; the other channels in make test-full (CI time, ~45 s)
+_CI_ONLY = ("spawn another python", "ctypes", "hdf5 external link", "report")
+_CI_CHEATS = [h if h in _CI_ONLY else pytest.param(h, marks=pytest.mark.slow) for h in CHEATS]
 
 
 @pytest.mark.parametrize("how", _CI_CHEATS)
@@ -348,6 +349,7 @@ GENERATE_DEF = ("    def generate(self, prompts: Sequence[Sequence[int]],\n"
                 " -> list[RequestOutput]:\n")
 
 
+@pytest.mark.slow  # CI time (~29 s): tests/grader/test_sandbox.py's empty HOME and /tmp per child stay in CI
 def test_a_cache_left_in_home_or_tmp_by_one_child_is_gone_for_the_next(tmp_path, monkeypatch):
     # One child leaves a file in $HOME and /tmp; a later child depends on finding it. The writer runs only
     # in the L6 grade (the only requests asking for prompt logprobs); L5's generate refuses to answer
@@ -614,7 +616,9 @@ def test_a_timed_level_shares_one_cpu_budget_from_the_childs_start(tmp_path):
     groups, errors, seconds = read_outputs(outputs, checks)
     assert set(groups) == {"L5/quick"}, errors
     assert errors["L5/slow"].startswith("timeout") and "CPU-s" in errors["L5/slow"], errors
-    assert 0.4 <= seconds["L5/slow"] < 1.5, (errors, seconds)
+    # wall seconds of a check stopped at 0.7 CPU-s: a loaded machine (another test worker) stretches them, yet
+    # they stay far below the 10 CPU-s the check would burn unstopped
+    assert 0.4 <= seconds["L5/slow"] < 5.0, (errors, seconds)
     assert errors["L5/after"].startswith("timeout: the L5 budget") and not ran
 
 
@@ -638,8 +642,10 @@ def test_a_candidate_that_stops_its_own_clock_and_runs_past_its_budget_scores_ze
     tail = "while True:\n    pass\n" if how == "burns CPU" else \
         "__import__('select').select([], [], [], 1000)\n"
     _plant(cand, "jax_oracles/training/sft.py", RUN_STEPS_DEF, STOP_CLOCKS + tail)
-    # a budget of about what the oracle itself takes, its wall backstop the same: the test stays short
-    policy = BudgetPolicy(headroom=1.0, factor=1.0, wall_factor=1.0, wall_slack_s=5.0, scale=False)
+    # a budget of about what the oracle itself takes: the test stays short. The wall backstop sits at three times
+    # it, so that on a loaded machine (the child given a third of a core) the CPU clock still fires first
+    policy = BudgetPolicy(headroom=1.0, factor=1.0, wall_factor=1.0 if how == "sleeps" else 3.0, wall_slack_s=5.0,
+                          scale=False)
     started = time.monotonic()
     report = _grade(cand, tmp_path, ("L5",), budget=policy)
     checks = _by_name(report, "L5")
