@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from tools.lf_parity import compare
-from tools.lf_parity.harness import LF_PYTHON, RELEASE_PREPROCESSOR, TRL_OVERLAY, lf_arguments, make_job
+from tools.lf_parity.harness import (LF_PYTHON, RELEASE_PREPROCESSOR, RELEASE_VIDEO_PREPROCESSOR, TRL_OVERLAY,
+                                     lf_arguments, make_job, text_hidden_size)
 from tools.lf_parity.table import failing_cells, render, write_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,6 +91,51 @@ def test_batch_comparison_is_exact_on_integers_and_reads_lf_positions_row_zero()
     assert "keys differ" in compare.compare_batches([{**lf, "rope_deltas": np.zeros((2, 1))}], [ours])["error"]
     assert "2 batches from LF" in compare.compare_batches([lf, lf], [ours])["error"]
     assert compare.compare_batches(None, [ours])["error"]
+
+
+def test_audio_frames_padded_differently_are_an_error_that_still_compares_the_rest():
+    """Qwen2.5-Omni: LF's extractor pads every audio to the release's 300 s, the source's to 30 s: an error naming
+    both frame counts, the common frames compared, the longer side's extra frames required masked out, every
+    batch still compared."""
+    mask = np.zeros((1, 30), np.int64)
+    mask[0, :10] = 1
+    features = np.full((1, 4, 30), -1.5, np.float32)
+    ours = {"input_ids": np.ones((1, 5), np.int64), "input_features": features[..., :3 * 4],
+            "feature_attention_mask": mask[:, :12]}
+    lf = {**ours, "input_features": features, "feature_attention_mask": mask}
+    cell = compare.compare_batches([lf, lf], [ours, ours])
+    assert cell["error"].startswith("audio frames: feature_attention_mask LF 30, source 12")
+    assert "batch" not in cell["error"] and cell["max_abs"] == 0 and not compare.within(cell)
+    unmasked = compare.compare_batches([{**lf, "feature_attention_mask": np.ones((1, 30), np.int64)}], [ours])
+    assert "frames past 12 are not masked out" in unmasked["error"]
+    changed = compare.compare_batches([lf, {**lf, "input_ids": np.zeros((1, 5), np.int64)}], [ours, ours])
+    assert "batch 1 input_ids" in changed["error"]  # the later batches are still compared
+
+
+def test_the_qwen3_vl_and_omni_jobs_stage_the_release_files(tmp_path):
+    """Qwen3-VL: the release's preprocessor_config.json (size dict, patch 16, mean/std 0.5), the source's settings;
+    the video processor's settings travel to the child (its stand-in). Omni: the release's one file for the image
+    processor and the Whisper extractor, the tokenizer config's multimodal token names, an empty spk_dict.pt."""
+    from torch_sources.models.vision_processing import QwenImageProcessorConfig
+
+    job = make_job("qwen3-vl-sft", tmp_path / "q3")
+    lf_arguments(job)
+    config = json.loads((tmp_path / "q3" / "model" / "preprocessor_config.json").read_text())
+    assert config == RELEASE_PREPROCESSOR["qwen3_vl"] and config["processor_class"] == "Qwen3VLProcessor"
+    assert QwenImageProcessorConfig.from_hf(config) == QwenImageProcessorConfig.qwen3_vl()
+    assert RELEASE_VIDEO_PREPROCESSOR["qwen3_vl"]["merge_size"] == config["merge_size"]
+    omni = make_job("qwen2-omni-sft", tmp_path / "omni")
+    assert omni.model_type == "qwen2_5_omni" and text_hidden_size(omni.checkpoint) == 64
+    lf_arguments(omni)
+    model = tmp_path / "omni" / "model"
+    config = json.loads((model / "preprocessor_config.json").read_text())
+    assert config["feature_extractor_type"] == "WhisperFeatureExtractor" and config["chunk_length"] == 300
+    assert QwenImageProcessorConfig.from_hf(config) == QwenImageProcessorConfig.qwen2_vl()
+    tokenizer_config = json.loads((model / "tokenizer_config.json").read_text())
+    assert tokenizer_config["image_token"] == "<|IMAGE|>" and not (model / "tokenizer_config.json").is_symlink()
+    assert (model / "spk_dict.pt").exists()
+    shipped = json.loads((omni.tokenizer / "tokenizer_config.json").read_text())
+    assert "image_token" not in shipped  # the tiny tokenizer's own file is untouched
 
 
 def test_a_finding_marks_a_cell_and_still_fails_it():

@@ -98,16 +98,18 @@ def test_whisper_features_equal_transformers(mel):
 
 
 def test_whisper_config_is_the_releases():
-    """Qwen2.5-Omni-7B's preprocessor_config.json (WhisperFeatureExtractor: 128 mel bins, 16 kHz, hop 160, 30 s,
-    n_fft 400); a longer waveform is cut to 30 s, as `truncation=True` does."""
-    fe = WhisperFeatureExtractor(feature_size=128)
+    """Qwen2.5-Omni-7B's preprocessor_config.json (WhisperFeatureExtractor: 128 mel bins, 16 kHz, hop 160, 300 s:
+    n_samples 4800000, nb_max_frames 30000, n_fft 400; found by the LF parity harness, LF padding every batch's
+    audio to 30000 frames); a longer waveform is cut to 300 s, as `truncation=True` does."""
+    fe = WhisperFeatureExtractor(feature_size=128, chunk_length=300)
+    assert (fe.n_samples, fe.nb_max_frames) == (4_800_000, 30_000)  # the release file's own numbers
     for side in (t_ap, j_ap):
         c = side.WhisperFeatureConfig.qwen2_omni()
         assert (c.feature_size, c.sampling_rate, c.hop_length, c.chunk_length, c.n_fft, c.padding_value, c.n_samples) \
             == (fe.feature_size, fe.sampling_rate, fe.hop_length, fe.chunk_length, fe.n_fft, fe.padding_value,
                 fe.n_samples)
-        waveforms, mask = side.pad_waveforms([np.ones(500_000)], c)
-        assert waveforms.shape == (1, 480_000) and mask.all()
+        waveforms, mask = side.pad_waveforms([np.ones(5_000_000)], c)
+        assert waveforms.shape == (1, 4_800_000) and mask.all()
     assert t_ap.__all__ == j_ap.__all__
 
 
@@ -174,7 +176,7 @@ def test_omni_batches_twins_on_the_vl_data(omni, kind, data):
                                           "input_features", "feature_attention_mask", "position_ids", "rope_deltas"}
         for k in tb:
             np.testing.assert_array_equal(tb[k], jb[k], err_msg=k)
-        assert tb["input_features"].shape == (1, MEL, 3000) and tb["feature_attention_mask"].sum() == 10
+        assert tb["input_features"].shape == (1, MEL, 30000) and tb["feature_attention_mask"].sum() == 10
         assert (tb["input_ids"] == AUDIO).sum() == 2  # the fake audio, every batch
 
 
@@ -196,7 +198,7 @@ def test_fake_media_literal(omni, side):
     assert b["attention_mask"][0, :n0 + 10].tolist() == [1] * n0 + [0] * 10
     assert b["labels"][0, :n0 + 10].tolist() == feats[0]["labels"] + [-100] * 10
     assert b["image_grid_thw"].tolist() == [[1, 4, 4]]
-    assert (b["input_features"] == -1.5).all() and b["feature_attention_mask"].tolist() == [[1] * 10 + [0] * 2990]
+    assert (b["input_features"] == -1.5).all() and b["feature_attention_mask"].tolist() == [[1] * 10 + [0] * 29990]
     real = b["attention_mask"] == 1
     np.testing.assert_array_equal(b["position_ids"], np.broadcast_to(np.where(real, np.cumsum(real, -1) - 1, 1),
                                                                      (3, *real.shape)))

@@ -18,8 +18,13 @@ import numpy as np
 TOLERANCE = 1e-5  # issue 31: every comparable quantity within 1e-5 of LLaMA-Factory's
 PIXEL_TOLERANCE = 1e-6  # issue 32: the collated pixel values, exact or within 1e-6 (a cell's own "tolerance")
 # the collated batch's float tensors (max abs difference); every other tensor (ids, masks, labels, image grids,
-# M-RoPE positions and deltas) is compared exactly
-FLOAT_BATCH_KEYS = ("pixel_values",)
+# M-RoPE positions and deltas, the audio frame mask) is compared exactly
+FLOAT_BATCH_KEYS = ("pixel_values", "input_features")
+# Qwen2.5-Omni's audio tensors, [A, mel, frames] and [A, frames]: the frame count is the feature extractor's padded
+# length (chunk_length * sampling_rate / hop_length). Where only that differs, the common frames are still compared
+# and the longer side's extra frames must be masked out; the difference is an error (the cell fails), reported once
+# with the two lengths, and the remaining batches are still compared.
+AUDIO_FRAME_KEYS = ("input_features", "feature_attention_mask")
 
 
 def _first_token_difference(lf_rows: list[dict], rows: list[dict]) -> str | None:
@@ -98,7 +103,7 @@ def compare_batches(lf: list[dict] | None, source: list[dict]) -> dict:
     if len(lf) != len(source):
         return {"max_abs": None, "n": 0, "error": f"{len(lf)} batches from LF, {len(source)} from the source",
                 "tolerance": PIXEL_TOLERANCE}
-    n, worst, errors = 0, 0.0, []
+    n, worst, errors, frames = 0, 0.0, [], {}
     for i, (a, b) in enumerate(zip(lf, source)):
         a = {k: np.asarray(v) for k, v in a.items()}
         if "position_ids" in a and a["position_ids"].ndim == 3 and a["position_ids"].shape[0] == 4:
@@ -110,6 +115,14 @@ def compare_batches(lf: list[dict] | None, source: list[dict]) -> dict:
                           f"{sorted(b.keys() - a.keys())}")
         for key in sorted(a.keys() & b.keys()):
             x, y = a[key], np.asarray(b[key])
+            if x.shape != y.shape and key in AUDIO_FRAME_KEYS and x.shape[:-1] == y.shape[:-1]:
+                common = min(x.shape[-1], y.shape[-1])
+                frames.setdefault(key, (x.shape[-1], y.shape[-1]))
+                if key == "feature_attention_mask":  # the longer side's extra frames: masked out
+                    longer = x if x.shape[-1] > y.shape[-1] else y
+                    if longer[..., common:].any():
+                        errors.append(f"batch {i} {key}: frames past {common} are not masked out")
+                x, y = x[..., :common], y[..., :common]
             if x.shape != y.shape:
                 errors.append(f"batch {i} {key}: shapes LF {x.shape}, source {y.shape}")
                 continue
@@ -122,6 +135,9 @@ def compare_batches(lf: list[dict] | None, source: list[dict]) -> dict:
                 worst = max(worst, float(np.abs(x.astype(np.float64) - y.astype(np.float64)).max()))
         if errors:
             break  # the first batch that differs
+    if frames:  # after every batch: the frame counts are the only difference unless errors says more
+        errors.insert(0, "audio frames: " + ", ".join(f"{k} LF {lf_n}, source {src_n}" for k, (lf_n, src_n)
+                                                      in frames.items()) + " (the common frames compared)")
     return {"max_abs": worst, "max_scaled": worst, "n": n, "error": "; ".join(errors) or None,
             "tolerance": PIXEL_TOLERANCE, "batches": len(lf)}
 

@@ -8,8 +8,10 @@ the references to that source). The child (lf_child.py) runs under .venv-lf.
 
 A task whose data rows carry `images` (the vision-language families) also gives LF the `images` column, the
 data dir as LF's `media_dir`, the release's preprocessor_config.json in LF's model dir (the shipped checkpoints
-have none) and the module renames between transformers 5's tree and the release's (adapter names); LF's
-collated batches are recorded and compared with the torch source's collator on the same rows (parity.py).
+have none; Qwen2.5-Omni also the release's tokenizer token names and an empty spk_dict.pt, Qwen3-VL the release's
+video settings for the child's video-processor stand-in) and the module renames between transformers 5's tree and
+the release's (adapter names); LF's collated batches are recorded and compared with the torch source's collator on
+the same rows (parity.py).
 """
 
 from __future__ import annotations
@@ -65,21 +67,74 @@ LF_KEYS = ("learning_rate", "num_train_epochs", "per_device_train_batch_size", "
            "dpo_label_smoothing", "pref_ftx", "ppo_epochs", "ppo_buffer_size", "ppo_target", "ppo_whiten_rewards",
            "max_new_tokens", "temperature", "top_k", "top_p")
 # TRL PPOConfig field -> the project's PPOArgs field (the values LF hands TRL, or TRL's defaults LF keeps)
-# The release's preprocessor_config.json of a vision-language checkpoint, by model_type (Qwen2-VL-2B-Instruct's,
-# verbatim; tests/models/test_vision_processing.py HF_KWARGS holds the same settings). LF's load_tokenizer builds
-# its processor from it with AutoProcessor: transformers 5.6 picks Qwen2VLImageProcessorPil where torchvision is
-# absent (its torchvision backend otherwise), which the source is bit-equal to; lf_child records the class it got
+# The release's preprocessor_config.json of a vision-language checkpoint, by model_type, verbatim (keys and values as
+# the hub ships them; tests/models/test_vision_processing.py holds the image settings to the source's
+# QwenImageProcessorConfig). LF's load_tokenizer builds its processor from it with AutoProcessor: transformers 5.6
+# picks Qwen2VLImageProcessorPil where torchvision is absent (its torchvision backend otherwise; a legacy "...Fast"
+# image_processor_type resolves the same way), which the source is bit-equal to; lf_child records the class it got.
+# - qwen2_vl: Qwen2-VL-2B-Instruct's (min/max pixels 3136 / 12845056, patch 14, the CLIP mean and std);
+# - qwen3_vl: Qwen3-VL-2B-Instruct's (the whole Qwen3-VL line ships the same file): `size` {shortest_edge 65536,
+#   longest_edge 16777216}, patch 16, mean and std 0.5, Qwen2VLImageProcessorFast, Qwen3VLProcessor; its video
+#   settings are a separate video_preprocessor_config.json, which no image task reads;
+# - qwen2_5_omni: Qwen2.5-Omni-7B's, one file for both of its processors: Qwen2-VL's image settings and the
+#   WhisperFeatureExtractor's (128 mel bins, 16 kHz, hop 160, n_fft 400, chunk_length 300 s: n_samples 4800000,
+#   nb_max_frames 30000), processor Qwen2_5OmniProcessor.
 RELEASE_PREPROCESSOR = {
     "qwen2_vl": {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
                  "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
                  "image_std": [0.26862954, 0.26130258, 0.27577711], "image_processor_type": "Qwen2VLImageProcessor",
                  "processor_class": "Qwen2VLProcessor"},
+    "qwen3_vl": {"size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16,
+                 "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+                 "image_std": [0.5, 0.5, 0.5], "processor_class": "Qwen3VLProcessor",
+                 "image_processor_type": "Qwen2VLImageProcessorFast"},
+    "qwen2_5_omni": {"chunk_length": 300, "dither": 0.0, "feature_extractor_type": "WhisperFeatureExtractor",
+                     "feature_size": 128, "hop_length": 160, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                     "image_processor_type": "Qwen2VLImageProcessor",
+                     "image_std": [0.26862954, 0.26130258, 0.27577711], "max_pixels": 12845056, "merge_size": 2,
+                     "min_pixels": 3136, "n_fft": 400, "n_samples": 4800000, "nb_max_frames": 30000,
+                     "padding_side": "right", "padding_value": 0.0, "patch_size": 14,
+                     "processor_class": "Qwen2_5OmniProcessor", "return_attention_mask": True,
+                     "sampling_rate": 16000, "temporal_patch_size": 2},
 }
-# transformers 5 loads a Qwen-VL release into its own module tree: the decoder under model.language_model, the
-# tower under model.visual, where the release (and the torch source's PEFT names) keep model.* and visual.*
+# The release's video_preprocessor_config.json where LF's plugin reads the video processor even for images:
+# Qwen3VLPlugin.process_messages takes getattr(processor, "video_processor") with no default and its merge_size
+# (video_merge_length) for every message, videos or not. transformers 5.6 builds every video processor on torchvision
+# (absent here: lf_child.install_no_video_processor), so the child puts a stand-in carrying these settings, which
+# refuses to process anything, on the processor class (Qwen3-VL-2B-Instruct's file, verbatim).
+RELEASE_VIDEO_PREPROCESSOR = {
+    "qwen3_vl": {"size": {"longest_edge": 25165824, "shortest_edge": 4096}, "patch_size": 16,
+                 "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+                 "image_std": [0.5, 0.5, 0.5], "processor_class": "Qwen3VLProcessor",
+                 "video_processor_type": "Qwen3VLVideoProcessor"},
+}
+# The multimodal tokens the release's tokenizer_config.json names and transformers 5.6's processor reads off the
+# tokenizer (Qwen2_5OmniProcessor.__init__: tokenizer.image_token, .audio_token, .video_token, .vision_bos_token,
+# .vision_eos_token, .audio_bos_token, .audio_eos_token; AttributeError without them, and LF's load_tokenizer then
+# goes on without a processor and refuses the images). The tiny tokenizer's config (assets/tokenizer/qwen2_omni)
+# has the tokens (ids 403-413) but not these names: LF's model dir gets its tokenizer_config.json plus these keys.
+# transformers 5 keeps them as named special tokens (_special_tokens_map): no id, no encoding and no extra special
+# token changes (the template cell's generation eos ids read the extra ones). The spellings are LF's qwen2_omni
+# template's and the source's (LF_TEMPLATE_TOKENS).
+RELEASE_TOKENIZER_TOKENS = {
+    "qwen2_5_omni": {"image_token": "<|IMAGE|>", "audio_token": "<|AUDIO|>", "video_token": "<|VIDEO|>",
+                     "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
+                     "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"},
+}
+# Release files besides the processor's that LF's loader requires: transformers' Qwen2_5OmniForConditionalGeneration
+# .from_pretrained (LF loads Omni through AutoModelForTextToWaveform, then keeps model.thinker) raises ValueError
+# without the release's spk_dict.pt (the talker's speaker embeddings, which the thinker never reads; the tiny
+# checkpoint has no talker): an empty dict stands in (load_speakers only fills speaker_map from it).
+RELEASE_SPEAKERS = {"qwen2_5_omni"}
+# transformers 5 loads a Qwen-VL release into its own module tree: Qwen2-VL's decoder under model.language_model, its
+# tower under model.visual, where the release (and the torch source's PEFT names) keep model.* and visual.*.
+# Qwen3-VL's release already has transformers 5's tree (model.language_model.*, model.visual.*), and LF trains
+# Omni's thinker (model.*, visual.*, audio_tower.*, as the source's thinker-relative names): nothing to rename.
 ADAPTER_RENAMES = {
     "qwen2_vl": [["base_model.model.model.language_model.", "base_model.model.model."],
                  ["base_model.model.model.visual.", "base_model.model.visual."]],
+    "qwen3_vl": [],
+    "qwen2_5_omni": [],
 }
 PPO_CONFIG = {"learning_rate": "learning_rate", "mini_batch_size": "per_device_train_batch_size",
               "batch_size": "batch_size", "gradient_accumulation_steps": "gradient_accumulation_steps",
@@ -151,6 +206,15 @@ def model_dir(job: Job, checkpoint: Path | None = None, name: str = "model") -> 
             raise NotImplementedError(f"no release preprocessor_config.json for {job.model_type!r} "
                                       f"(harness.RELEASE_PREPROCESSOR): LF could not build its processor")
         (out / "preprocessor_config.json").write_text(json.dumps(RELEASE_PREPROCESSOR[job.model_type], indent=2))
+        if job.model_type in RELEASE_TOKENIZER_TOKENS:
+            config = out / "tokenizer_config.json"
+            tokenizer_config = json.loads(config.read_text())
+            config.unlink()  # a link to the tiny tokenizer's file: written anew, that file untouched
+            config.write_text(json.dumps({**tokenizer_config, **RELEASE_TOKENIZER_TOKENS[job.model_type]}, indent=2))
+        if job.model_type in RELEASE_SPEAKERS and not (out / "spk_dict.pt").exists():
+            import torch
+
+            torch.save({}, out / "spk_dict.pt")
     return out
 
 
@@ -240,6 +304,14 @@ def project_batches(job: Job) -> list[dict]:
             for order in project_order(job, len(rows)) for s in range(0, len(order), B)]
 
 
+def text_hidden_size(checkpoint: Path) -> int:
+    """The decoder's width (the value head's input): config.json's hidden_size, else its text_config's (Qwen3-VL),
+    else its thinker's text_config's (Qwen2.5-Omni), as LF's configure_visual_model reads text_config.hidden_size."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    config = config.get("thinker_config", config)
+    return config["hidden_size"] if "hidden_size" in config else config["text_config"]["hidden_size"]
+
+
 def ppo_injections(job: Job, result) -> dict:
     """What LF's PPO run is handed from the project's own run (result: its PPOResult): each step's rollouts
     (queries = the step's prompts, responses = the cut responses the project sampled), each step's mini-batch
@@ -253,7 +325,7 @@ def ppo_injections(job: Job, result) -> dict:
     for step in range(len(steps)):
         rng = np.random.default_rng([args.seed, ppo._MINIBATCH, step])
         orders.append([rng.permutation(args.batch_size).tolist() for _ in range(args.ppo_epochs)])
-    hidden = json.loads((job.checkpoint / "config.json").read_text())["hidden_size"]
+    hidden = text_hidden_size(job.checkpoint)
     return {"rollouts": rollouts, "minibatch_orders": orders, "value_head_dropout": args.value_head_dropout,
             "ppo_config_keys": sorted(PPO_CONFIG), "value_head_init": ppo.init_value_head(hidden, args.seed)}
 
@@ -276,7 +348,8 @@ def run_lf(job: Job, timeout_s: float = 1800, extra: dict | None = None) -> dict
             "args": args, "train": job.train, "variants": job.variants,
             "orders": project_order(job, n_train) if job.train and job.method != "ppo" else None,
             "mm": job.mm, "record_batches": job.mm and job.train and job.method != "ppo",
-            "adapter_renames": ADAPTER_RENAMES.get(job.model_type, []), **extra}
+            "adapter_renames": ADAPTER_RENAMES.get(job.model_type, []),
+            "video_processor_standin": RELEASE_VIDEO_PREPROCESSOR.get(job.model_type) if job.mm else None, **extra}
     (job.work / "job.json").write_text(json.dumps(spec, indent=1))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     if job.method == "ppo" and job.train:

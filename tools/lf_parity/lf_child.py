@@ -13,6 +13,8 @@ What is injected, and nothing else:
   level and uses it only to load audio (README.md, "The environment");
 - images (job "mm"), only where torchvision is absent: no video processor (`install_no_video_processor`), since
   transformers 5.6 builds every video processor on torchvision and Qwen2VLProcessor loads one unconditionally;
+  where the job names the release's video settings (Qwen3-VL: its plugin reads the video processor's merge_size
+  for every message), a stand-in carrying them that processes nothing (`VideoProcessorStandin`);
 - SFT/DPO with job "hf_loss_kwargs" only: the trainer's model_accepts_loss_kwargs set back to what HF's own rule
   gives (LF turns it off whenever a processor is loaded; README.md, "Vision-language tasks");
 - PPO (train_ppo): the project's value head init, its rollouts at get_inputs and TRL's mini-batch orders, two
@@ -52,7 +54,24 @@ def install_torchaudio_standin() -> bool:
     return True
 
 
-def install_no_video_processor() -> bool:
+class VideoProcessorStandin:
+    """The release's video_preprocessor_config.json settings as attributes (what LF's Qwen3VLPlugin reads of the
+    video processor for images: merge_size), on a processor without a video processor. Processing anything raises:
+    the data has no videos."""
+
+    def __init__(self, settings: dict):
+        self.settings = dict(settings)
+        for key, value in settings.items():
+            setattr(self, key, value)
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError("no video processor in .venv-lf (transformers 5.6 builds it on torchvision): a stand-in "
+                           "carrying the release's settings, which processes no video")
+
+    preprocess = __call__
+
+
+def install_no_video_processor(standin: dict | None = None) -> bool:
     """Qwen-VL processors without a video processor, where torchvision is absent. True when it was needed.
 
     transformers 5.6's Qwen2VLProcessor loads its video processor through AutoVideoProcessor whatever the
@@ -60,7 +79,12 @@ def install_no_video_processor() -> bool:
     image processor falls back to the PIL backend, its video processor has none). Dropping `video_processor`
     from the processor's attributes builds it from the image processor and the tokenizer alone; LF's plugin then
     finds no `video_processor` attribute, so its input check falls back to the image processor (getattr's
-    default) and it reads the video processor only to process videos, which the data has none of."""
+    default) and it reads the video processor only to process videos, which the data has none of.
+
+    standin (the release's video_preprocessor_config.json, harness.RELEASE_VIDEO_PREPROCESSOR): LF's Qwen3VLPlugin
+    reads getattr(processor, "video_processor") with no default, and its merge_size, for every message, videos or
+    not; the processor class (standin["processor_class"]) then carries a VideoProcessorStandin as a class
+    attribute."""
     if importlib.util.find_spec("torchvision") is not None:
         return False
     from transformers.processing_utils import ProcessorMixin
@@ -71,6 +95,10 @@ def install_no_video_processor() -> bool:
         return [a for a in attributes(cls) if a != "video_processor"]
 
     ProcessorMixin.get_attributes = classmethod(get_attributes)
+    if standin:  # a class attribute: getattr finds it, ProcessorMixin.to_dict (saving the processor) does not
+        import transformers
+
+        setattr(getattr(transformers, standin["processor_class"]), "video_processor", VideoProcessorStandin(standin))
     return True
 
 
@@ -94,6 +122,10 @@ def template_facts(template, tokenizer) -> dict:
 
 MM_PLUGIN_FIELDS = ("image_token", "video_token", "audio_token", "vision_bos_token", "vision_eos_token",
                     "expand_mm_tokens")
+# a plugin with an audio token (Qwen2OmniPlugin): its audio span tokens and the feature extractor LF loaded
+AUDIO_PLUGIN_FIELDS = ("audio_bos_token", "audio_eos_token")
+FEATURE_EXTRACTOR_FIELDS = ("feature_size", "sampling_rate", "hop_length", "chunk_length", "n_fft", "padding_value",
+                            "n_samples", "dither")
 IMAGE_PROCESSOR_FIELDS = ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std", "do_resize",
                           "resample", "do_rescale", "rescale_factor", "do_normalize", "do_convert_rgb")
 
@@ -120,6 +152,11 @@ def mm_facts(template, processor) -> dict | None:
                  **{k: (list(v) if isinstance(v, tuple) else v) for k in IMAGE_PROCESSOR_FIELDS
                     for v in [getattr(image, k, None)]})
     facts["resample"] = int(facts["resample"]) if facts["resample"] is not None else None
+    if getattr(plugin, "audio_token", None) is not None:
+        extractor = getattr(processor, "feature_extractor", None)
+        facts.update({k: getattr(plugin, k, None) for k in AUDIO_PLUGIN_FIELDS},
+                     feature_extractor=type(extractor).__name__ if extractor is not None else None,
+                     **{f"audio_{k}": getattr(extractor, k, None) for k in FEATURE_EXTRACTOR_FIELDS})
     return facts
 
 
@@ -137,7 +174,7 @@ def main(work: Path) -> None:
     out = work / "lf"
     out.mkdir(exist_ok=True)
     shim = install_torchaudio_standin()
-    no_video = install_no_video_processor() if job.get("mm") else False
+    no_video = install_no_video_processor(job.get("video_processor_standin")) if job.get("mm") else False
 
     import torch
 

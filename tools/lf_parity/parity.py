@@ -13,7 +13,8 @@ from torch_sources.training import dpo, ppo, template
 from torch_sources.training.mm_plugin import find_medias
 from tools.lf_parity import compare
 from tools.lf_parity.harness import (PPO_CONFIG, RELEASE_PREPROCESSOR, Job, make_job, ppo_injections,
-                                     project_batches, project_rows, project_run, run_lf)
+                                     project_batches, project_rows, project_run, run_lf,
+                                     text_hidden_size)
 
 SDPA = ("LF's default attention (flash_attn auto) is HF's sdpa where the model has it (bloom: eager), the torch "
         "sources are HF's eager attention (the compared runs ask LF for eager: flash_attn disabled); the two round "
@@ -47,6 +48,31 @@ VL_PPO = ("LF 0.9.5's PPO cannot run a Qwen-VL model (transformers 5.6, TRL 0.9.
           "(docs/ARCHITECTURE.md, torch_sources/training/ppo.py)")
 VL_PPO_STOP = "KeyError: 'labels'"  # the message LF's run must stop with for VL_PPO to be the reason
 VL_PPO_CELLS = ("losses", "adapter", "metrics", "config")
+# Qwen2.5-Omni's PPO stops earlier, building its value head (observed: the message below, before any dataset column)
+OMNI_PPO = ("LF 0.9.5's PPO cannot build a value head on Qwen2.5-Omni (transformers 5.6, TRL 0.9.6): LF loads "
+            "Qwen2_5OmniForConditionalGeneration (AutoModelForTextToWaveform) and keeps its thinker, whose config "
+            "(Qwen2_5OmniThinkerConfig) has no hidden_size, only text_config.hidden_size; LF's configure_visual_model "
+            "copies text_config.hidden_size up only on the config it loaded, the top-level Qwen2_5OmniConfig (which "
+            "has thinker_config, no text_config: nothing is copied), and TRL 0.9.6's ValueHead.__init__ assigns "
+            "hidden_size only from config.hidden_size, word_embed_proj_dim or an encoder-decoder's decoder, so "
+            "nn.Linear(hidden_size, 1) raises UnboundLocalError in AutoModelForCausalLMWithValueHead.from_pretrained "
+            "(LF's load_model, add_valuehead). Past it, LF's PPO would meet the Qwen-VL stop as well (TRL drops the "
+            "images and labels columns; ppo_train hands generation only input_ids and attention_mask). The project's "
+            "Omni PPO keeps the images and the fake audio (torch_sources/training/ppo.py)")
+OMNI_PPO_STOP = "UnboundLocalError: cannot access local variable 'hidden_size'"
+# model_type -> (reason, the message LF's PPO run must stop with); every other VL model: VL_PPO, VL_PPO_STOP
+PPO_STOPS = {"qwen2_5_omni": (OMNI_PPO, OMNI_PPO_STOP)}
+# Qwen2.5-Omni: the release's feature extractor pads every audio to 300 s, the source's to 30 s (a finding on the
+# cells it moves: template and collated batches; the thinker reads only the masked-in frames, so nothing else moves)
+OMNI_AUDIO_CHUNK = ("the torch source's Whisper settings for Qwen2.5-Omni (torch_sources/models/audio_processing.py "
+                    "WhisperFeatureConfig.qwen2_omni, and its JAX twin) keep WhisperFeatureExtractor's class default "
+                    "chunk_length 30 s (n_samples 480000, 3000 frames); Qwen2.5-Omni-7B's preprocessor_config.json "
+                    "ships chunk_length 300 (n_samples 4800000, nb_max_frames 30000), and LF's Qwen2OmniPlugin calls "
+                    "the extractor with padding='max_length', so LF pads every audio (the collator's fake 0.1 s one "
+                    "included) to 30000 frames, the source to 3000. The frames they share are identical and LF's "
+                    "extra ones are masked out; the thinker keeps only masked-in frames (get_audio_features), so "
+                    "losses, adapter, metrics and eval agree. An audio longer than 30 s would be cut by the source "
+                    "(truncation) and not by LF, and so get fewer audio tokens")
 # LF's SFT trainer with a processor (a vision-language task) normalizes the loss its own way, and the torch source
 # follows it (torch_sources/training/sft.py loads_processor); the hf_loss_kwargs runs restore HF's own rule in LF and
 # measure what LF's choice changes (an effect, not judged).
@@ -152,27 +178,33 @@ def _ppo_parity(job: Job, record: dict, effects: bool) -> None:
 def _vl_ppo_parity(job: Job, record: dict) -> None:
     """A vision-language PPO task: LF's own PPO run, expected to stop (VL_PPO); its cells carry the reason and
     the message LF stopped with. A stop for any other reason, or a run that goes through, is an error."""
-    hidden = json.loads((job.checkpoint / "config.json").read_text())["hidden_size"]  # the release's flat form
+    hidden = text_hidden_size(job.checkpoint)
     extra = {"rollouts": [], "minibatch_orders": [], "value_head_dropout": job.args.value_head_dropout,
              "ppo_config_keys": sorted(PPO_CONFIG), "value_head_init": ppo.init_value_head(hidden, job.args.seed),
              **PPO_ALIGNED}
+    why, expected = PPO_STOPS.get(job.model_type, (VL_PPO, VL_PPO_STOP))
     try:
         run_lf(job, extra=extra)
         stop, error = None, "LF's PPO ran on a Qwen-VL model: compare it (parity._ppo_parity) instead"
     except RuntimeError as failure:
         lines = [line for line in str(failure).splitlines() if line.strip()]
         stop = lines[-1].strip() if lines else str(failure)
-        error = None if VL_PPO_STOP in stop else f"LF's PPO stopped elsewhere: {stop}"
+        error = None if expected in stop else f"LF's PPO stopped elsewhere: {stop}"
     seen = job.work / "lf" / "result.json"  # what the child saw before LF stopped
     seen = json.loads(seen.read_text()) if seen.exists() else {}
     observed = {"lf_stop": stop, "dataset_columns": seen.get("ppo_dataset_columns"),
                 "value_head_in_features": seen.get("value_head_in_features")}
-    if error is None and "images" in ((observed["dataset_columns"] or {}).get("trl_kept") or ["images"]):
-        error = f"TRL kept the images column ({observed['dataset_columns']}): VL_PPO is not why LF stopped"
     columns = observed["dataset_columns"] or {}
-    reason = VL_PPO + (f". Observed: TRL keeps {columns.get('trl_kept')} of LF's {columns.get('lf')}; the value "
-                       f"head takes {observed['value_head_in_features']} features; LF stops at {stop}"
-                       if error is None else "")
+    if why is VL_PPO:
+        if error is None and "images" in (columns.get("trl_kept") or ["images"]):
+            error = f"TRL kept the images column ({observed['dataset_columns']}): VL_PPO is not why LF stopped"
+        observation = (f". Observed: TRL keeps {columns.get('trl_kept')} of LF's {columns.get('lf')}; the value "
+                       f"head takes {observed['value_head_in_features']} features; LF stops at {stop}")
+    else:  # stopped in load_model: no value head, no dataset seen
+        if error is None and (observed["value_head_in_features"] is not None or columns):
+            error = f"LF built the value head or its PPO dataloader ({observed}): {expected} is not why it stopped"
+        observation = f". Observed: LF stops at {stop}, before its PPO trainer is built"
+    reason = why + (observation if error is None else "")
     for name in VL_PPO_CELLS:  # an unexpected stop is an error, not a documented reason
         record["cells"][name] = ({"max_abs": None, "n": 0, "error": None, "reason": reason, **observed}
                                  if error is None else {"max_abs": None, "n": 0, "error": error, **observed})
@@ -200,7 +232,15 @@ def _mm_ours(job: Job) -> dict | None:
     if plugin is None:
         return None
     c = plugin.image_processor
-    return {"plugin": plugin.name, "image_token": plugin.image_token, "video_token": plugin.video_token,
+    audio = {}
+    if plugin.audio_token is not None:  # Qwen2OmniPlugin: its audio span and the release's WhisperFeatureExtractor
+        f = plugin.feature_extractor
+        audio = {"audio_bos_token": plugin.audio_bos_token, "audio_eos_token": plugin.audio_eos_token,
+                 "feature_extractor": "WhisperFeatureExtractor",
+                 **{f"audio_{k}": getattr(f, k) for k in ("feature_size", "sampling_rate", "hop_length",
+                                                          "chunk_length", "n_fft", "padding_value", "n_samples")},
+                 "audio_dither": 0.0}  # models/audio_processing.py: no dither, as the releases ship it
+    return audio | {"plugin": plugin.name, "image_token": plugin.image_token, "video_token": plugin.video_token,
             "audio_token": plugin.audio_token, "vision_bos_token": plugin.vision_bos_token,
             "vision_eos_token": plugin.vision_eos_token, "expand_mm_tokens": True,
             # the processor the release names, and the HF image processor the source is bit-equal to
@@ -254,6 +294,15 @@ def _source_rows(job: Job, overrides: dict) -> dict:
     return rows
 
 
+def _audio_chunk_findings(job: Job, cells: dict) -> None:
+    """Mark the cells the source's 30 s audio padding moves (OMNI_AUDIO_CHUNK): the template's chunk_length and
+    n_samples, and the collated batches' audio frames. Marked cells are still judged (they fail)."""
+    for name, cell in cells.items():
+        error = cell.get("error") or ""
+        if name == "template" and "audio_chunk_length" in error or name.endswith("batches") and "audio frames" in error:
+            cell["finding"] = OMNI_AUDIO_CHUNK
+
+
 def task_parity(task: str, work: Path, train_variants: bool = True, ppo_effects: bool = True) -> dict:
     """{cell: comparison} for one task; cells: tokens, losses, adapter, eval, metrics, reference, <variant>.*"""
     job = make_job(task, work)
@@ -295,4 +344,5 @@ def task_parity(task: str, work: Path, train_variants: bool = True, ppo_effects:
     for (method, name), reason in NOT_COMPARABLE.items():
         if method == job.method:
             cells.setdefault(name, {"max_abs": None, "n": 0, "error": None, "reason": reason})
+    _audio_chunk_findings(job, cells)
     return record

@@ -75,7 +75,9 @@ def _parity_cell(record: dict, names: tuple[str, ...], notes: _Notes) -> str:
 
 
 def _effect_cell(record: dict, effect: str, notes: _Notes) -> str:
-    cells = [c for n, c in record["cells"].items() if n.startswith(effect + ".")]
+    # an effect run's collated batches are LF's collator's whatever the effect (judged in the parity table's
+    # "collated batches"; e.g. Qwen2.5-Omni's audio padding): the effect is what its run moves besides them
+    cells = [c for n, c in record["cells"].items() if n.startswith(effect + ".") and not n.endswith(".batches")]
     if not cells:
         return "-"
     cell = merge(cells)

@@ -41,8 +41,9 @@ class WhisperFeatureConfig:
 
     @classmethod
     def qwen2_omni(cls) -> "WhisperFeatureConfig":
-        """Qwen2.5-Omni-7B's (and Qwen2-Audio's) preprocessor_config.json: 128 mel bins."""
-        return cls(feature_size=128)
+        """Qwen2.5-Omni-7B's preprocessor_config.json: 128 mel bins, waveforms padded / cut to 300 s (n_samples
+        4800000, nb_max_frames 30000; Qwen2-Audio's 30 s is the class default)."""
+        return cls(feature_size=128, chunk_length=300)
 
 
 # ---- the mel filter bank (transformers.audio_utils, numpy, float64) ------------------------
