@@ -226,7 +226,17 @@ SERVING_CHECKS = (
        "the Pallas kernel with attention sinks, a sliding window across its key blocks, on long contexts", ALL,
        ("attn:sinks",)),
     _c("L1", "rope", "numeric", "tensor",
-       "inverse frequencies and cos/sin of every layer type (YaRN: also its attention factor)"),
+       "inverse frequencies and cos/sin of every layer type (YaRN: also its attention factor)", ALL, ("pos:rope",)),
+    _c("L1", "mrope_positions", "numeric", "agreement",
+       "the engine's M-RoPE position table and rope delta of a prompt holding two images (get_rope_index on one "
+       "row), computed once per request", ALL, ("pos:mrope",)),
+    _c("L1", "step_image_inputs", "numeric", "agreement",
+       "one ragged step's image bookkeeping (input_batch): the M-RoPE positions of a chunk inside two images, a "
+       "recompute past the prompt (position + delta) and a decode, and the image rows each chunk takes", ALL,
+       ("vision:qwen",)),
+    _c("L1", "image_inputs", "numeric", "agreement",
+       "the engine's input processing of images: each image token expanded to its image's rows, the placeholder "
+       "ranges, the image grids", ALL, ("vision:qwen",)),
     _c("L1", "moe_routing", "numeric", "tensor",
        "top-k routing of router logits (ties included) as a dense [tokens, experts] weight matrix: softmax over "
        "the k selected logits", ALL, ("mlp:moe",)),
@@ -246,11 +256,17 @@ SERVING_CHECKS = (
     _c("L1", "sampler_pipeline", "numeric", "agreement",
        "the engine's own Sampler over SamplingMetadata.from_requests: stage order, seeds, greedy rows"),
     _c("L2", "decoder_layer_paged", "numeric", "tensor", "decoder layer 0 with its paged KV write"),
+    _c("L2", "encoder_outputs", "numeric", "tensor",
+       "the processor's pixel values and the encoder's merged rows of each shipped image, one image per call as "
+       "the engine runs it", ALL, ("vision:qwen",)),
     _c("L2", "moe_block", "numeric", "tensor", "layer 0's whole mixture-of-experts block: router and experts",
        ALL, ("mlp:moe",)),
     _c("L3", "prefill_t5", "numeric", "tensor", "prefill logits, 5-token prompt"),
     _c("L3", "prefill_t17", "numeric", "tensor", "prefill logits, 17-token prompt"),
     _c("L3", "prefill_t40", "numeric", "tensor", "prefill logits, 40-token prompt (past the sliding window)"),
+    _c("L3", "prefill_images", "numeric", "tensor",
+       "prefill logits of a prompt holding two images between text (image rows in place of the image tokens, "
+       "M-RoPE positions)", ALL, ("vision:qwen",)),
     _c("L4", "decode_logits", "numeric", "tensor", "teacher-forced decode logits, 8 steps"),
     _c("L4", "cache_state", "numeric", "tensor", "K/V cache contents after prefill and 8 decode steps"),
     _c("L5", "greedy_sequences", "behavioral", "agreement", "the live engine's greedy outputs on the workload"),
@@ -267,6 +283,13 @@ SERVING_CHECKS = (
     _c("L5", "long_decode", "behavioral", "agreement",
        "requests served one after another, each decoding greedily to max_model_len (over a thousand engine "
        "steps: where the L5 time budget binds)"),
+    _c("L5", "image_workload", "behavioral", "agreement",
+       "image requests through the live engine under an encoder budget and a small KV pool: greedy outputs, per "
+       "step the scheduled ids and tokens, preemptions, block tables, the images encoded and the encoder cache's "
+       "evictions, the prefix-cache hits (a shared image reused, a different one not)", ALL, ("vision:qwen",)),
+    _c("L6", "heldout_logprobs_images", "behavioral", "tensor",
+       "held-out prompt log-probs and top-5 values of image prompts through the live engine (prompt_logprobs, "
+       "chunks cut inside images in chunked mode)", ALL, ("vision:qwen",)),
     _c("L6", "heldout_logprobs", "behavioral", "tensor",
        "held-out prompt log-probs and top-5 values through the live engine (prompt_logprobs, across chunks)"),
     _c("L6", "next_token_dists", "behavioral", "distributional",

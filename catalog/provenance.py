@@ -25,7 +25,7 @@ from catalog.h5schema import SCHEMA_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 # The keys that say what a task records (not where or on which device): their change stales it.
-TASK_KEYS = ("task_name", "family", "method", "mode", "data", "scale")  # scale: only where not tiny (configs/scale/)
+TASK_KEYS = ("task_name", "family", "method", "mode", "data", "scale", "vision")  # scale: only where not tiny (configs/scale/)
 HASH_CACHE_MIN_BYTES = 16 << 20  # smaller files hash faster than a cache lookup is worth trusting
 HASH_CACHE = Path(os.environ.get("T2J_HASH_CACHE", Path.home() / ".cache" / "t2j-refs" / "sha256.json"))
 

@@ -2,7 +2,8 @@
 
 Scheduler.trace (EngineConfig.record_trace) holds one StepTrace per engine step: the scheduled
 request ids and token counts, the preempted ids, each scheduled request's block table, and the
-block ids freed and evicted in that step. Each becomes an int64 array padded with -1 (0 for token
+block ids freed and evicted in that step (and, with images, the images encoded and evicted from the encoder
+cache). Each becomes an int64 array padded with -1 (0 for token
 counts), plus the preemption and eviction totals, so the grader compares them element by element (agreement) and a schedule that takes a
 different number of steps mismatches in shape. Numpy only: the recorder and the sandboxed child
 both import it.
@@ -13,7 +14,7 @@ from dataclasses import replace
 
 import numpy as np
 
-__all__ = ["pressure_config", "trace_arrays", "reference_pressure"]
+__all__ = ["pressure_config", "trace_arrays", "image_trace_arrays", "reference_pressure"]
 
 
 def pressure_config(engine_config, num_blocks: int, long_prefill_token_threshold: int = 0):
@@ -48,6 +49,25 @@ def trace_arrays(trace, max_num_seqs: int, max_blocks_per_seq: int, num_blocks: 
         "freed_block_ids": _rows([s.freed_block_ids for s in steps], num_blocks),
         "evicted_block_ids": _rows([s.evicted_block_ids for s in steps], num_blocks),
     }
+
+
+def image_trace_arrays(trace, max_num_seqs: int, max_blocks_per_seq: int, num_blocks: int,
+                       image_index: dict[str, int], max_images_per_step: int = 8) -> dict[str, np.ndarray]:
+    """trace_arrays plus what images add per step: the images encoded, (request id, image of the request), and
+    the images evicted from the encoder cache, each by its index in the workload's image list (`image_index`:
+    content hash -> index), so each side's own hash function never shows in the arrays."""
+    steps = list(trace)
+    runs = np.full((len(steps), max_images_per_step, 2), -1, np.int64)
+    for i, step in enumerate(steps):
+        if len(step.scheduled_encoder_inputs) > max_images_per_step:
+            raise ValueError(f"step {i} encodes {len(step.scheduled_encoder_inputs)} images, more than "
+                             f"{max_images_per_step}")
+        for j, (rid, k) in enumerate(step.scheduled_encoder_inputs):
+            runs[i, j] = (int(rid), int(k))
+    freed = _rows([[image_index[h] for h in step.freed_mm_hashes] for step in steps], max(len(image_index), 1))
+    return {**trace_arrays(steps, max_num_seqs, max_blocks_per_seq, num_blocks), "encoder_runs": runs,
+            "freed_images": freed,
+            "num_encoder_runs": np.array(sum(len(s.scheduled_encoder_inputs) for s in steps), np.int64)}
 
 
 def reference_pressure(ref) -> dict[str, int] | None:

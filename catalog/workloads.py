@@ -8,16 +8,20 @@ Plain Python and numpy: the engine's classes come in as arguments.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+
+from catalog.trace import image_trace_arrays
 
 __all__ = ["SAMPLED", "FINISH_CODES", "TOP_LOGPROBS", "sampled_params", "branch_params", "stop_params", "run_stop_workload",
            "pad_rows", "unpad_rows", "dense_logprobs", "prompt_logprob_arrays", "run_long_decode", "long_decode_config",
            "FIXED_STEPS_VARIANT", "FIXED_STEPS_OPTIONS", "DPO_FIXED_STEPS_OPTIONS", "DATA_VARIANTS", "data_fields", "tied_checkpoint",
            "fixed_step_runs", "TIE_METRICS", "WIDTH_METRICS", "width_dependent_metrics", "rewarded_steps", "dpo_trajectory_outputs", "dpo_eval_outputs",
            "PPO_FIXED_STEPS_OPTIONS", "PPO_TIE_STATS", "PPO_NOISE_STATS", "PPO_MOVED_STATS", "moved_steps", "ppo_stats_outputs", "ppo_fixed_step_runs", "ppo_fixed_step_outputs", "prompt_rows", "prompt_features",
-           "ROLLOUT_SAMPLING_OPTIONS", "GAE_OPTIONS", "KL_COEFS", "KL_CONTROLLER_KLS", "layer_positions", "tower_outputs", "collate_outputs"]
+           "ROLLOUT_SAMPLING_OPTIONS", "GAE_OPTIONS", "KL_COEFS", "KL_CONTROLLER_KLS", "layer_positions", "tower_outputs", "collate_outputs",
+           "image_prompts", "image_workload_config", "run_image_workload", "step_image_outputs"]
 
 # The L5 sampled workload: every optional stage of the sampler at once.
 SAMPLED = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.1)
@@ -292,7 +296,6 @@ def run_stop_workload(engine, prompts: Sequence[Sequence[int]], params: Sequence
 def long_decode_config(engine_config):
     """The mode's engine with prefix caching on (vLLM v1's default), so requests served one after another can
     hit the blocks earlier ones cached: in every mode, whatever the mode's own default."""
-    from dataclasses import replace
     return replace(engine_config, enable_prefix_caching=True)
 
 
@@ -371,3 +374,62 @@ def tied_checkpoint(ckpt, out) -> Path:
         index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k != head}
         (out / "model.safetensors.index.json").write_text(json.dumps(index))
     return out
+
+
+# ---- images through the live engine (serving, vision:qwen) ------------------------------------------------------
+
+def image_prompts(prompts, image_ids, images) -> list:
+    """Token rows (one image token per image) and each row's image indices (-1 padded) into `images` -> vLLM
+    tokens prompts: a row without images stays a plain token list."""
+    out = []
+    for row, ids in zip(unpad_rows(prompts), np.asarray(image_ids)):
+        chosen = [images[int(i)] for i in ids if i >= 0]
+        out.append({"prompt_token_ids": row, "multi_modal_data": {"image": chosen}} if chosen else row)
+    return out
+
+
+def image_workload_config(engine_config, vision):
+    """The mode's engine with prefix caching and the trace on, the task's encoder compute budget and encoder cache
+    (an image must wait for the one before it; an unreferenced output is evicted) and a KV pool that preempts."""
+    return replace(engine_config, enable_prefix_caching=True, record_trace=True, num_blocks=int(vision["num_blocks"]),
+                   max_num_encoder_input_tokens=int(vision["encoder_budget"]),
+                   encoder_cache_size=int(vision["encoder_cache"]))
+
+
+def run_image_workload(engine, prompts, SamplingParams, max_tokens: int, image_index: dict) -> dict:
+    """Greedy outputs of image prompts, the step trace with the images encoded and evicted (catalog/trace.py),
+    the prefix-cache hits and the blocks back in the pool."""
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    cfg, stats = engine.config, engine.stats()
+    return {"output_ids": pad_rows([o.output_token_ids for o in outs], max_tokens),
+            **image_trace_arrays(engine.scheduler.trace, cfg.max_num_seqs, cfg.max_blocks_per_seq, cfg.num_blocks,
+                                 image_index),
+            "prefix_hit_blocks": np.array(stats["num_prefix_hit_blocks"], np.int64),
+            "free_blocks_after": np.array(stats["num_free_blocks"], np.int64)}
+
+
+def step_image_outputs(case, request_cls, batch_cls, input_batch, image_hash, imgs) -> dict:
+    """Either side's input_batch on the case: the step's M-RoPE positions and its image-row slices (request, token
+    index, image id, first and last row)."""
+    n_req = len(case["query_start_loc"]) - 1
+    requests, tables, index = {}, {}, {image_hash(im): i for i, im in enumerate(imgs)}
+    for k in range(n_req):
+        tokens, num_prompt = [int(x) for x in case[f"tokens_{k}"]], int(case[f"num_prompt_{k}"])
+        placeholders = tuple((int(o), int(n), image_hash(imgs[int(i)])) for o, n, i in
+                             zip(case[f"offsets_{k}"], case[f"lengths_{k}"], case[f"image_ids_{k}"]))
+        req = request_cls(str(k), tokens[:num_prompt], mm_placeholders=placeholders)
+        req.output_token_ids = tokens[num_prompt:]
+        requests[str(k)] = req
+        tables[str(k)] = ([[int(x) for x in row] for row in case[f"table_{k}"]], int(case[f"delta_{k}"]))
+    qsl = [int(x) for x in case["query_start_loc"]]
+    positions = [int(x) for x in case["positions"]]
+    input_ids = [requests[str(k)].all_token_ids[positions[i]] for k in range(n_req) for i in range(qsl[k], qsl[k + 1])]
+    T = len(positions)
+    batch = batch_cls(req_ids=[str(k) for k in range(n_req)], input_ids=input_ids + [0] * (T - len(input_ids)),
+                      positions=positions, slot_mapping=[-1] * T, block_tables=[[0]] * n_req, seq_lens=[0] * n_req,
+                      query_start_loc=qsl, logits_indices=[q - 1 for q in qsl[1:]], num_seqs=n_req,
+                      num_tokens=qsl[-1], padded_num_tokens=T)
+    slices = [[int(s.request_id), s.token_index, index[s.mm_hash], s.start, s.end]
+              for s in input_batch.multimodal_slices(batch, requests)]
+    return {"positions": np.array(input_batch.mrope_positions(batch, tables), np.int64),
+            "slices": np.array(slices, np.int64).reshape(-1, 5)}

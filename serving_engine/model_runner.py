@@ -10,6 +10,11 @@ it in place (tpu-inference's `donate_argnums` on kv_caches); the runner keeps on
 Per step the host reads back the sampled ids, plus the raw log-prob rows of only those requests that ask for
 logprobs (prompt logprobs switch to a variant of the step that also returns every token's log-probs). Rows
 whose token is discarded (a partial prefill chunk, a padding row) are sampled greedily and ignored.
+
+A multimodal family (its module's MULTIMODAL) takes images, as the torch twin does: the encoder (jitted per image
+grid) runs each image the scheduler lists and its rows stay in `encoder_cache` by content hash until the
+scheduler frees it; each step hands `step` its M-RoPE positions i32[3,T] and the image rows f32[T,D] of the
+placeholder ranges its tokens cover (zeros and False elsewhere: the same static shapes as a text-only step).
 """
 from __future__ import annotations
 
@@ -22,7 +27,8 @@ import numpy as np
 from serving_engine import models
 from serving_engine.config import EngineConfig
 from serving_engine.input_batch import PAD_SLOT_ID, BatchMetadata, build_batch_metadata, make_token_buckets, \
-    pick_bucket, prompt_logprob_targets
+    mrope_positions, multimodal_slices, pick_bucket, prompt_logprob_targets
+from serving_engine.multimodal import ImageInput, expand_image_tokens, image_hash
 from serving_engine.paged_attention import AttentionMetadata, allocate_kv_cache, layer_kv_shapes
 from serving_engine.request import Request
 from serving_engine.sampler import Logprob, Sampler, SamplingMetadata, top_logprobs
@@ -42,13 +48,19 @@ _TRACES = [0]  # traces of the two step functions in this process (each trace is
 _SAMPLER = Sampler()  # stateless
 
 
+def _forward(family, model, input_ids, positions, kv_cache, attn_meta, images):
+    # images: (image rows f32[T,D], is_mm bool[T]) for a multimodal family, else None
+    return family.forward_paged(model, input_ids, positions, kv_cache, attn_meta, *(images or ()))
+
+
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,), static_argnames=("all_logprobs",))
-def _step(family, model, kv_cache, input_ids, positions, attn_meta, logits_indices, sampling, all_logprobs=False):
+def _step(family, model, kv_cache, input_ids, positions, attn_meta, logits_indices, sampling, images=None,
+          all_logprobs=False):
     """-> (sampled ids i32[S], raw log-probs f32[S,V], kv_cache, log-probs f32[T_bucket,V] of every token
-    when all_logprobs (prompt logprobs) else None). input_ids/positions i32[T_bucket], logits_indices i32[S]
-    (S = max_num_seqs)."""
+    when all_logprobs (prompt logprobs) else None). input_ids i32[T_bucket], positions i32[T_bucket] (M-RoPE:
+    i32[3,T_bucket]), logits_indices i32[S] (S = max_num_seqs)."""
     _TRACES[0] += 1
-    hidden, kv_cache = family.forward_paged(model, input_ids, positions, kv_cache, attn_meta)
+    hidden, kv_cache = _forward(family, model, input_ids, positions, kv_cache, attn_meta, images)
     logits = family.compute_logits(model, hidden[logits_indices])  # f32[S,V]
     ids, raw_logprobs = _SAMPLER(logits, sampling)
     every = jax.nn.log_softmax(family.compute_logits(model, hidden), -1) if all_logprobs else None
@@ -56,11 +68,18 @@ def _step(family, model, kv_cache, input_ids, positions, attn_meta, logits_indic
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _forward_logits(family, model, kv_cache, input_ids, positions, attn_meta):
+def _forward_logits(family, model, kv_cache, input_ids, positions, attn_meta, images=None):
     """-> (logits f32[T_bucket,V] at every token, kv_cache)."""
     _TRACES[0] += 1
-    hidden, kv_cache = family.forward_paged(model, input_ids, positions, kv_cache, attn_meta)
+    hidden, kv_cache = _forward(family, model, input_ids, positions, kv_cache, attn_meta, images)
     return family.compute_logits(model, hidden), kv_cache
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _encode(family, model, pixel_values, grid_thw):
+    """One image's encoder rows f32[n,D]; its grid is static (the tower's windows and rope derive from it)."""
+    _TRACES[0] += 1
+    return family.embed_multimodal(model, pixel_values, grid_thw)
 
 
 def attention_metadata(batch: BatchMetadata, impl: str = "auto") -> AttentionMetadata:
@@ -97,6 +116,82 @@ class ModelRunner:
         self.buckets_used: set[int] = set()  # token buckets execute_model has run
         # (token bucket, max_q_len) pairs it has run: each is one compiled variant of the step
         self.variants_used: set[tuple[int, int | None]] = set()
+        self.multimodal = bool(getattr(self.family, "MULTIMODAL", False))
+        self.encoder_cache: dict[str, np.ndarray] = {}  # mm_hash -> the encoder's rows f32[n,D] of that image
+        self.mrope_tables: dict[str, tuple[list[list[int]], int]] = {}  # request id -> (prompt's 3 x L rows, delta)
+        self.num_encoder_runs = 0  # images encoded (an encoder-cache hit runs none)
+
+    # ---- images ----------------------------------------------------------------------------------------------
+    def prepare_images(self, prompt_token_ids: Sequence[int], images: Sequence) -> tuple[
+            list[int], list[tuple[int, int, str]], list[ImageInput]]:
+        """A prompt naming each image with one image token, and the raw images uint8[H,W,3] in order ->
+        (the prompt with each image token expanded to its image's rows, placeholders (offset, length, content
+        hash), the processed images): vLLM's input processing for the image modality."""
+        if not self.multimodal:
+            raise ValueError(f"{type(self.model_config).__name__} takes no images (a text-only family)")
+        c = self.model_config
+        merge = c.vision.spatial_merge_size
+        inputs = []
+        for image in images:
+            pixel_values, grid = self.family.process_image(c, np.asarray(image))
+            inputs.append(ImageInput(pixel_values, grid, grid[0] * grid[1] * grid[2] // merge ** 2))
+        ids, runs = expand_image_tokens(prompt_token_ids, self.family.image_token_id(c),
+                                        [x.num_tokens for x in inputs])
+        placeholders = [(off, n, image_hash(np.asarray(image))) for (off, n), image in zip(runs, images)]
+        return ids, placeholders, inputs
+
+    def _encode(self, image: ImageInput) -> np.ndarray:  # -> f32[n,D]
+        self.num_encoder_runs += 1
+        out = np.asarray(self._traced(_encode, self.family, self.model, np.asarray(image.pixel_values, np.float32),
+                                      tuple(int(x) for x in image.image_grid_thw)))
+        if out.shape[0] != image.num_tokens:
+            raise ValueError(f"the encoder gave {out.shape[0]} rows for an image of {image.num_tokens} tokens")
+        return out
+
+    def _mrope_table(self, request_id: str, prompt_token_ids, images: Sequence[ImageInput]):
+        if request_id not in self.mrope_tables:  # once per request: a chunk or a recompute slices it
+            table, delta = self.family.mrope_positions(self.model_config, prompt_token_ids,
+                                                       [x.image_grid_thw for x in images])
+            self.mrope_tables[request_id] = (np.asarray(table).tolist(), int(delta))
+        return self.mrope_tables[request_id]
+
+    def _multimodal_inputs(self, out: SchedulerOutput, batch: BatchMetadata, requests: Mapping[str, Request]):
+        """-> (positions i32[3,T], (image rows f32[T,D], is_mm bool[T])) of one step, after running its encoders."""
+        for mm_hash in out.free_encoder_mm_hashes:
+            self.encoder_cache.pop(mm_hash, None)
+        for rid in out.finished_req_ids:
+            self.mrope_tables.pop(rid, None)
+        for rid, inputs in out.scheduled_encoder_inputs.items():
+            req = requests[rid]
+            for i in inputs:
+                self.encoder_cache[req.mm_placeholders[i][2]] = self._encode(req.mm_inputs[i])
+        tables = {rid: self._mrope_table(rid, requests[rid].prompt_token_ids, requests[rid].mm_inputs)
+                  for rid in batch.req_ids}
+        return _i32(mrope_positions(batch, tables)), self._image_rows(batch, requests, self.encoder_cache)
+
+    def _image_rows(self, batch: BatchMetadata, requests, encoded: Mapping[str, np.ndarray]):
+        T = len(batch.input_ids)
+        embeds = np.zeros((T, self.model_config.hidden_size), np.float32)
+        is_mm = np.zeros(T, bool)
+        for s in multimodal_slices(batch, requests):
+            rows = encoded.get(s.mm_hash)
+            if rows is None:
+                raise RuntimeError(f"request {s.request_id!r}: no encoder output for image {s.mm_hash[:12]} in this "
+                                   f"step (the scheduler ran no encoder for it, or freed it too early)")
+            embeds[s.token_index:s.token_index + s.end - s.start] = rows[s.start:s.end]
+            is_mm[s.token_index:s.token_index + s.end - s.start] = True
+        return embeds, is_mm
+
+    def _step_inputs(self, batch: BatchMetadata, multimodal=None):
+        """-> (positions, images) for the jitted bodies: a text-only family's i32[T] and None; a multimodal
+        family's i32[3,T] and its image rows (multimodal None: a text-only batch, its positions on three rows)."""
+        if not self.multimodal:
+            return _i32(batch.positions), None
+        if multimodal is None:
+            T = len(batch.input_ids)
+            return _i32([batch.positions] * 3), (np.zeros((T, self.model_config.hidden_size), np.float32),
+                                                 np.zeros(T, bool))
+        return multimodal
 
     def _step(self, *args, **kwargs):
         return self._traced(_step, self.family, *args, **kwargs)
@@ -128,9 +223,11 @@ class ModelRunner:
                                                   num_rows=self.max_num_seqs, sample_rows=out.will_sample,
                                                   engine_seed=cfg.seed, step=step)
         targets = prompt_logprob_targets(batch, requests)
+        positions, images = self._step_inputs(
+            batch, self._multimodal_inputs(out, batch, requests) if self.multimodal else None)
         ids, raw_logprobs, self.kv_cache, every = self._step(
-            self.model, self.kv_cache, _i32(batch.input_ids), _i32(batch.positions),
-            attn_meta, _i32(batch.logits_indices), sampling,
+            self.model, self.kv_cache, _i32(batch.input_ids), positions,
+            attn_meta, _i32(batch.logits_indices), sampling, images,
             all_logprobs=bool(targets))
         rows = [i for i, sample in enumerate(out.will_sample) if sample]
         rids = [batch.req_ids[i] for i in rows]
@@ -167,14 +264,30 @@ class ModelRunner:
                              seq_lens=[n], query_start_loc=[0, T], logits_indices=[T - 1], num_seqs=1,
                              num_tokens=T, padded_num_tokens=padded)
 
-    def _run_single(self, token_ids: Sequence[int], start: int):  # -> logits f32[len(token_ids),V]
+    def _run_single(self, token_ids: Sequence[int], start: int, placeholders=(), images=()):
+        """-> logits f32[len(token_ids),V]; a multimodal family's prompt (start 0) with its M-RoPE table and the
+        rows of its images (placeholders, processed images: their encoders run here, outside the cache)."""
         batch = self._single_sequence_batch(token_ids, start)
-        logits, self.kv_cache = self._forward_logits(self.model, self.kv_cache, _i32(batch.input_ids),
-                                                     _i32(batch.positions), attention_metadata(batch, self.attn_impl))
+        multimodal = None
+        if self.multimodal and start == 0:
+            table, delta = self.family.mrope_positions(self.model_config, token_ids,
+                                                       [x.image_grid_thw for x in images])
+            request = {"0": Request("0", list(token_ids), mm_placeholders=tuple(placeholders))}
+            encoded = {h: self._encode(x) for (_, _, h), x in zip(placeholders, images)}
+            multimodal = (_i32(mrope_positions(batch, {"0": (np.asarray(table).tolist(), int(delta))})),
+                          self._image_rows(batch, request, encoded))
+        positions, images_in = self._step_inputs(batch, multimodal)
+        logits, self.kv_cache = self._forward_logits(self.model, self.kv_cache, _i32(batch.input_ids), positions,
+                                                     attention_metadata(batch, self.attn_impl), images_in)
         return logits[: batch.num_tokens]
 
-    def prefill_logits(self, token_ids: Sequence[int]):
-        """Logits f32[T,V] at every prompt position, from one prefill through the paged path."""
+    def prefill_logits(self, token_ids: Sequence[int], images: Sequence = ()):
+        """Logits f32[T,V] at every prompt position, from one prefill through the paged path. With images
+        (uint8[H,W,3], a multimodal family): token_ids name each image with one image token, and the logits
+        are those of the expanded prompt (prepare_images)."""
+        if len(images):
+            token_ids, placeholders, inputs = self.prepare_images(token_ids, images)
+            return self._run_single(token_ids, 0, placeholders, inputs)
         return self._run_single(token_ids, 0)
 
     def teacher_forced_decode(self, prompt: Sequence[int], continuation: Sequence[int]):

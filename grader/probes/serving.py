@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from catalog.family import language_model
 from catalog.layout import layout_arrays
 from catalog.trace import pressure_config, trace_arrays
 from catalog.workloads import TOP_LOGPROBS, branch_params, dense_logprobs, long_decode_config, pad_rows, prompt_logprob_arrays, run_long_decode, run_stop_workload, sampled_params, stop_params, unpad_rows
@@ -31,6 +32,8 @@ class Ctx:
         fam = task["family"]
         modname = fam["model_module"][:-3].replace("/", ".")
         self.family = importlib.import_module(f"jax_oracles.{modname}")
+        # the decoder's own module (a vision-language family names it: its operators are the language model's)
+        self.lm_family = importlib.import_module(f"jax_oracles.{language_model(fam)[0][:-3].replace('/', '.')}")
         self.conversion = importlib.import_module(f"conversion.{modname.split('.')[-1]}")
         self.engine_config = sv("config").EngineConfig(**task["mode"]["engine"])
         self.workload = task["mode"]["workload"]
@@ -55,6 +58,10 @@ class Ctx:
     @property
     def config(self):
         return self.runner.model_config
+
+    @property
+    def lm_config(self):  # a vision-language config's language model
+        return getattr(self.config, "text", self.config)
 
     @property
     def vocab(self):
@@ -123,7 +130,7 @@ def probe_paged_attention_kernel(ctx, inp):
 
 
 def probe_rope(ctx, inp):
-    f, c = ctx.family, ctx.config
+    f, c = ctx.lm_family, ctx.lm_config
     pos = jnp.asarray(inp["position_ids"])
     if "layer_type" in inspect.signature(f.rope_inv_freq).parameters:
         invs = {lt: f.rope_inv_freq(c, lt) for lt in sorted(set(c.layer_types))}
@@ -162,7 +169,8 @@ def probe_moe_block(ctx, inp):
 
 
 def probe_norm(ctx, inp):
-    return {"y": n(ctx.family.rms_norm(jnp.asarray(inp["x"]), jnp.asarray(inp["weight"]), ctx.config.rms_norm_eps))}
+    return {"y": n(ctx.lm_family.rms_norm(jnp.asarray(inp["x"]), jnp.asarray(inp["weight"]),
+                                          ctx.lm_config.rms_norm_eps))}
 
 
 def _sampler_probe(which):
@@ -217,7 +225,7 @@ def probe_sampler_pipeline(ctx, inp):
 
 def probe_decoder_layer_paged(ctx, inp):
     pa, runner = sv("paged_attention"), ctx.fresh_runner()
-    T = len(inp["positions"])
+    T = inp["hidden"].shape[0]
     table = jnp.asarray(inp["page_indices"])
     meta = pa.AttentionMetadata(slot_mapping=jnp.asarray(inp["slot_mapping"]), kv_lens=jnp.asarray(inp["kv_lens"]),
                                 page_indices=table, cu_q_lens=jnp.asarray(inp["cu_q_lens"]),
@@ -344,6 +352,9 @@ PROBES = {
     "stop_conditions": probe_stop_conditions, "sampling_branches": probe_sampling_branches,
     "long_decode": probe_long_decode, "heldout_logprobs": probe_heldout_logprobs, "next_token_dists": probe_next_token_dists,
 }
+
+
+PROBES.update(importlib.import_module("grader.probes.serving_vision").PROBES)  # picked by feature tags
 
 
 def main(inputs_path, outputs_path):

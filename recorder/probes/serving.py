@@ -12,18 +12,20 @@ import numpy as np
 import torch
 
 from catalog.checks import checks_for
+from catalog.family import language_model
 from catalog.layout import layout_arrays
 from catalog.provenance import checkpoint_dir
 from catalog.trace import pressure_config, trace_arrays
 from catalog.workloads import FINISH_CODES, TOP_LOGPROBS, branch_params, dense_logprobs, long_decode_config, pad_rows, prompt_logprob_arrays, run_long_decode, run_stop_workload, sampled_params, stop_params
 from recorder.probes import run_probes
 from recorder.probes.training import ROOT, checkpoint_layout, n, public_names, rng_for, t
+from torch_sources.models.loading import load_config
 from torch_sources.models.mxfp4 import dequantize_mxfp4
 
 SERVING_MODULES = ("serving/config.py", "serving/request.py", "serving/block_pool.py",
-                   "serving/kv_cache_manager.py", "serving/scheduler.py", "serving/input_batch.py",
-                   "serving/paged_attention.py", "serving/sampler.py", "serving/model_runner.py",
-                   "serving/engine.py")
+                   "serving/kv_cache_manager.py", "serving/encoder_cache_manager.py", "serving/scheduler.py",
+                   "serving/input_batch.py", "serving/multimodal.py", "serving/paged_attention.py",
+                   "serving/sampler.py", "serving/model_runner.py", "serving/engine.py")
 ENGINE_API = ("LLMEngine.add_request", "LLMEngine.abort_request", "LLMEngine.step", "LLMEngine.generate",
               "LLMEngine.get_num_unfinished_requests", "LLMEngine.stats", "ModelRunner.prefill_logits", "ModelRunner.teacher_forced_decode")
 PROMPT_LENS = {"prefill_t5": 5, "prefill_t17": 17, "prefill_t40": 40}
@@ -40,14 +42,28 @@ class Ctx:
         self.cfg = cfg
         self.ckpt = checkpoint_dir(cfg)  # checkpoint=PATH, else the family's
         self.family = importlib.import_module("torch_sources." + cfg.family.model_module[:-3].replace("/", "."))
+        # the decoder's own module (a vision-language family names it: its operators are the language model's)
+        self.lm_family = importlib.import_module("torch_sources." + language_model(cfg.family)[0][:-3].replace("/", "."))
         self.engine_config = sv("config").EngineConfig(**dict(cfg.mode.engine))
         self.runner = sv("model_runner").ModelRunner(self.ckpt, self.engine_config)
         self.config = self.runner.model_config
+        self.lm_config = getattr(self.config, "text", self.config)  # a vision-language config's language model
         self.vocab = self.config.vocab_size
+        self.prompt_vocab = prompt_vocab(self.ckpt, self.vocab, cfg.family.features)
         self.wall = None  # set by the L5 workload probe
 
     def fresh_runner(self):
         return sv("model_runner").ModelRunner(self.ckpt, self.engine_config)
+
+
+def prompt_vocab(ckpt, vocab: int, features) -> int:
+    """The token ids random prompts draw below: the vocabulary, except that a vision-language family's special
+    tokens (image pads, video pads: every *_token_id of its config.json, all past the text ids) stay out of text
+    prompts, where the engine would refuse them or place nothing."""
+    if "vision:qwen" not in features:
+        return vocab
+    d = load_config(ckpt)
+    return min(int(v) for k, v in d.items() if k.endswith("_token_id") and isinstance(v, int))
 
 
 def workload(cfg, vocab: int, name: str = "workload"):
@@ -144,11 +160,11 @@ def _inv_freqs(family, config):
 def probe_rope(ctx):
     pos = np.array([[0, 1, 2, 7, 8, 63, 64, 100]], np.int32)
     out = {}
-    for lt, inv in _inv_freqs(ctx.family, ctx.config).items():
-        cos, sin = ctx.family.rope_cos_sin(inv, t(pos))
+    for lt, inv in _inv_freqs(ctx.lm_family, ctx.lm_config).items():
+        cos, sin = ctx.lm_family.rope_cos_sin(inv, t(pos))
         out.update({f"{lt}.inv_freq": n(inv), f"{lt}.cos": n(cos), f"{lt}.sin": n(sin)})
-    if hasattr(ctx.family, "rope_attention_factor"):  # YaRN scales cos and sin by it
-        out["attention_factor"] = np.float32(ctx.family.rope_attention_factor(ctx.config))
+    if hasattr(ctx.lm_family, "rope_attention_factor"):  # YaRN scales cos and sin by it
+        out["attention_factor"] = np.float32(ctx.lm_family.rope_attention_factor(ctx.lm_config))
     return {"position_ids": pos}, out
 
 
@@ -191,7 +207,7 @@ def probe_norm(ctx):
     r = rng_for("norm")
     D = ctx.config.hidden_size
     x, w = r.standard_normal((3, D), np.float32) * 2, (1 + 0.1 * r.standard_normal(D)).astype(np.float32)
-    return {"x": x, "weight": w}, {"y": n(ctx.family.rms_norm(t(x), t(w), ctx.config.rms_norm_eps))}
+    return {"x": x, "weight": w}, {"y": n(ctx.lm_family.rms_norm(t(x), t(w), ctx.lm_config.rms_norm_eps))}
 
 
 def _sampler_case(ctx):
@@ -301,7 +317,10 @@ def probe_decoder_layer_paged(ctx):
     table = r.permutation(ctx.engine_config.num_blocks)[: -(-T // S)].astype(np.int32)
     slots = np.array([table[i // S] * S + i % S for i in range(T)], np.int32)
     hidden = r.standard_normal((T, c.hidden_size), np.float32)
-    inp = {"hidden": hidden, "positions": np.arange(T, dtype=np.int32), "slot_mapping": slots,
+    positions = np.arange(T, dtype=np.int32)
+    if "pos:mrope" in ctx.cfg.family.features:  # three rows apart, so each M-RoPE section's row shows
+        positions = np.sort(r.integers(0, 2 * T, (3, T)), axis=1).astype(np.int32)
+    inp = {"hidden": hidden, "positions": positions, "slot_mapping": slots,
            "page_indices": table[None], "kv_lens": np.array([T], np.int32),
            "cu_q_lens": np.array([0, T], np.int32), "num_seqs": np.array([1], np.int32)}
     meta = pa.AttentionMetadata(slot_mapping=t(slots), kv_lens=t(inp["kv_lens"]), page_indices=t(table[None]),
@@ -340,19 +359,19 @@ def _prompt(name, vocab, length):
 
 def _prefill_probe(name):
     def probe(ctx):
-        ids = _prompt(name, ctx.vocab, PROMPT_LENS[name])
+        ids = _prompt(name, ctx.prompt_vocab, PROMPT_LENS[name])
         return {"token_ids": ids}, {"logits": n(ctx.fresh_runner().prefill_logits(ids.tolist()))}
     return probe
 
 
 def probe_teacher_forced(ctx):
-    prompt, cont = _prompt("tf_prompt", ctx.vocab, 11), _prompt("tf_cont", ctx.vocab, 8)
+    prompt, cont = _prompt("tf_prompt", ctx.prompt_vocab, 11), _prompt("tf_cont", ctx.prompt_vocab, 8)
     logits, snap = ctx.fresh_runner().teacher_forced_decode(prompt.tolist(), cont.tolist())
     return {"prompt": prompt, "continuation": cont}, {"logits": n(logits)}
 
 
 def probe_cache_state(ctx):
-    prompt, cont = _prompt("tf_prompt", ctx.vocab, 11), _prompt("tf_cont", ctx.vocab, 8)
+    prompt, cont = _prompt("tf_prompt", ctx.prompt_vocab, 11), _prompt("tf_cont", ctx.prompt_vocab, 8)
     _, snap = ctx.fresh_runner().teacher_forced_decode(prompt.tolist(), cont.tolist())
     return {"prompt": prompt, "continuation": cont}, {k.replace(".", "_"): v for k, v in sorted(snap.items())}
 
@@ -361,7 +380,7 @@ def probe_cache_state(ctx):
 
 def run_workload(ctx, sampled: bool):
     cfg, SP = ctx.cfg, sv("config").SamplingParams
-    prompts = workload(cfg, ctx.vocab)
+    prompts = workload(cfg, ctx.prompt_vocab)
     w = cfg.mode.workload
     params = (sampled_params(SP, len(prompts), w.max_tokens) if sampled else
               [SP(temperature=0.0, max_tokens=w.max_tokens, ignore_eos=True)] * len(prompts))
@@ -396,7 +415,7 @@ def probe_engine_invariants(ctx):
 def probe_schedule_trace(ctx):
     """The scheduler at work under pressure: per step, what ran, what was preempted, the block tables and
     the blocks freed and evicted. Refuses a workload that never evicts (or, beyond core mode, never preempts)."""
-    prompts = workload(ctx.cfg, ctx.vocab)
+    prompts = workload(ctx.cfg, ctx.prompt_vocab)
     pressure = ctx.cfg.mode.pressure
     config = pressure_config(ctx.engine_config, pressure.num_blocks, pressure.get("long_prefill_token_threshold", 0))
     engine = sv("engine").LLMEngine(ctx.ckpt, config)
@@ -427,10 +446,10 @@ def plan_stop_workload(ctx):
     its first token (still waiting in core mode, mid-prefill in the others)."""
     w, cfg, SP = ctx.cfg.mode.workload, ctx.engine_config, sv("config").SamplingParams
     r, (lo, hi), M = rng_for(f"{ctx.cfg.task_name}/stop"), w.prompt_len, w.max_tokens
-    prompts = [[int(x) for x in r.integers(3, ctx.vocab, int(r.integers(lo, hi + 1)))] for _ in range(7)]
+    prompts = [[int(x) for x in r.integers(3, ctx.prompt_vocab, int(r.integers(lo, hi + 1)))] for _ in range(7)]
     prompts[5] = prompts[0]
-    prompts.append([int(x) for x in r.integers(3, ctx.vocab, cfg.max_model_len - 3)])
-    prompts.append([int(x) for x in r.integers(3, ctx.vocab, hi)])
+    prompts.append([int(x) for x in r.integers(3, ctx.prompt_vocab, cfg.max_model_len - 3)])
+    prompts.append([int(x) for x in r.integers(3, ctx.prompt_vocab, hi)])
     n = len(prompts)
     seeds = np.array([500, 501, 502, 503, 504, 500, 506, 507, 508], np.int64)  # 5 repeats 0: same prompt and draws
     free_run = {"seed": seeds, "stop_token": [-1] * n, "max_tokens": [M] * n, "ignore_eos": [1] * n}
@@ -465,7 +484,7 @@ def probe_stop_conditions(ctx):
 
 
 def probe_sampling_branches(ctx):
-    prompts, w = workload(ctx.cfg, ctx.vocab), ctx.cfg.mode.workload
+    prompts, w = workload(ctx.cfg, ctx.prompt_vocab), ctx.cfg.mode.workload
     out = {}
     for name, params in branch_params(sv("config").SamplingParams, len(prompts), w.max_tokens).items():
         outs = sv("engine").LLMEngine(ctx.ckpt, ctx.engine_config).generate(prompts, params)
@@ -482,8 +501,8 @@ def probe_long_decode(ctx):
     and its blocks sit cached, and only a hash chained to the parent's keeps the second from taking KV
     computed at other positions (in every mode, batched or not)."""
     r, bs = rng_for(f"{ctx.cfg.task_name}/long_decode"), ctx.engine_config.block_size
-    head, middle = ([int(x) for x in r.integers(3, ctx.vocab, bs)] for _ in range(2))
-    prompts = [head + [int(x) for x in r.integers(3, ctx.vocab, int(r.integers(2, 2 * bs + 1)))]
+    head, middle = ([int(x) for x in r.integers(3, ctx.prompt_vocab, bs)] for _ in range(2))
+    prompts = [head + [int(x) for x in r.integers(3, ctx.prompt_vocab, int(r.integers(2, 2 * bs + 1)))]
                for _ in range(LONG_DECODE_REQUESTS)]
     prompts[0] = head + middle + prompts[0][bs:]
     prompts[1] = middle + prompts[1][bs:]
@@ -497,7 +516,7 @@ def probe_long_decode(ctx):
 def probe_heldout_logprobs(ctx):
     """Held-out prompt log-probs through the live engine (SamplingParams.prompt_logprobs, chunk by chunk). The
     third prompt starts with the first one's two full blocks: asking for prompt logprobs bypasses the cache."""
-    prompts = [_prompt(f"heldout_{i}", ctx.vocab, L).tolist() for i, L in enumerate(HELDOUT_LENS)]
+    prompts = [_prompt(f"heldout_{i}", ctx.prompt_vocab, L).tolist() for i, L in enumerate(HELDOUT_LENS)]
     head = 2 * ctx.engine_config.block_size
     if head >= min(HELDOUT_LENS[0], HELDOUT_LENS[2]):
         raise ValueError(f"block_size {ctx.engine_config.block_size} too large for the held-out prompts")
@@ -512,7 +531,7 @@ def probe_heldout_logprobs(ctx):
 
 def probe_next_token_dists(ctx):
     """The live engine's full next-token distribution at every greedy step (logprobs=-1)."""
-    prompts, w = workload(ctx.cfg, ctx.vocab)[:4], ctx.cfg.mode.workload
+    prompts, w = workload(ctx.cfg, ctx.prompt_vocab)[:4], ctx.cfg.mode.workload
     outs = sv("engine").LLMEngine(ctx.ckpt, ctx.engine_config).generate(
         prompts, sv("config").SamplingParams(temperature=0.0, max_tokens=w.max_tokens, ignore_eos=True,
                                              logprobs=-1))
@@ -552,3 +571,6 @@ def record_task(cfg, dev, console):
     ctx = Ctx(cfg)
     records = run_probes([s for s in spec + checks if s.name != "torch_free"], PROBES, ctx, console)
     return records, None, ctx.wall
+
+
+PROBES.update(importlib.import_module("recorder.probes.serving_vision").PROBES)  # picked by feature tags

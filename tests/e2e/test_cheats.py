@@ -610,8 +610,12 @@ def test_a_timed_level_shares_one_cpu_budget_from_the_childs_start(tmp_path):
         _burn(0.3)
         return {"y": np.ones(1)}
 
-    probes = {"quick": quick, "slow": lambda ctx, inp: _burn(10),
-              "after": lambda ctx, inp: ran.append(1) or {"y": np.ones(1)}}
+    def after(ctx, inp):  # more CPU than a sliver: on a loaded machine SIGPROF may fire a few ms early
+        _burn(0.3)
+        ran.append(1)
+        return {"y": np.ones(1)}
+
+    probes = {"quick": quick, "slow": lambda ctx, inp: _burn(10), "after": after}
     run_probes(inputs, outputs, make_ctx, probes, cpu_origin=time.process_time())
     groups, errors, seconds = read_outputs(outputs, checks)
     assert set(groups) == {"L5/quick"}, errors
@@ -619,7 +623,8 @@ def test_a_timed_level_shares_one_cpu_budget_from_the_childs_start(tmp_path):
     # wall seconds of a check stopped at 0.7 CPU-s: a loaded machine (another test worker) stretches them, yet
     # they stay far below the 10 CPU-s the check would burn unstopped
     assert 0.4 <= seconds["L5/slow"] < 5.0, (errors, seconds)
-    assert errors["L5/after"].startswith("timeout: the L5 budget") and not ran
+    # spent: skipped, or (a sliver left on a loaded machine) stopped at once
+    assert errors["L5/after"].startswith("timeout") and not ran, errors
 
 
 # A candidate that stops every clock and timer it can reach inside its child (time.*, the interval timers,

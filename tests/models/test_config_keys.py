@@ -106,6 +106,8 @@ VL_AUDITS = [
     ("qwen3_vl", "CONFIG_KEYS", "models.qwen3_vl.configuration_qwen3_vl.Qwen3VLConfig"),
     ("vision", "QWEN3_VL_KEYS", "models.qwen3_vl.configuration_qwen3_vl.Qwen3VLVisionConfig"),
     ("vision", "QWEN2_5_VL_KEYS", "models.qwen2_5_vl.configuration_qwen2_5_vl.Qwen2_5_VLVisionConfig"),
+    ("qwen2_5_vl", "TEXT_KEYS", "models.qwen2_5_vl.configuration_qwen2_5_vl.Qwen2_5_VLTextConfig"),
+    ("qwen2_5_vl", "CONFIG_KEYS", "models.qwen2_5_vl.configuration_qwen2_5_vl.Qwen2_5_VLConfig"),
     ("vision", "QWEN2_5_VL_KEYS", "models.qwen2_5_omni.configuration_qwen2_5_omni.Qwen2_5OmniVisionEncoderConfig"),
     ("qwen2_omni", "TEXT_KEYS", "models.qwen2_5_omni.configuration_qwen2_5_omni.Qwen2_5OmniTextConfig"),
     ("qwen2_omni", "CONFIG_KEYS", "models.qwen2_5_omni.configuration_qwen2_5_omni.Qwen2_5OmniThinkerConfig"),

@@ -227,9 +227,10 @@ TORCH_CLASSES = {"llama3": "llama3.LlamaForCausalLM", "llama3-reward": "llama3.L
                  "starcoder2": "starcoder2.Starcoder2ForCausalLM", "gpt_oss": "gpt_oss.GptOssForCausalLM",
                  "qwen2_vl": "qwen2_vl.Qwen2VLForConditionalGeneration",
                  "qwen3_vl": "qwen3_vl.Qwen3VLForConditionalGeneration",
-                 "qwen2_omni": "qwen2_omni.Qwen2OmniThinkerForConditionalGeneration"}
+                 "qwen2_omni": "qwen2_omni.Qwen2OmniThinkerForConditionalGeneration",
+                 "qwen2_5_vl": "qwen2_5_vl.Qwen2_5VLForConditionalGeneration"}
 SEQ = 300  # past every sliding window (128, 256)
-VL_FAMILIES = ("qwen2_vl", "qwen3_vl", "qwen2_omni")  # transformers loads them as image-text-to-text models (text-only logits here)
+VL_FAMILIES = ("qwen2_vl", "qwen3_vl", "qwen2_omni", "qwen2_5_vl")  # transformers loads them as image-text-to-text models (text-only logits here)
 
 
 @pytest.mark.slow

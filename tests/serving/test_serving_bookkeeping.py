@@ -13,7 +13,8 @@ import types
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-MODULES = ["config", "request", "block_pool", "kv_cache_manager", "scheduler", "input_batch"]
+MODULES = ["config", "request", "block_pool", "kv_cache_manager", "encoder_cache_manager", "scheduler", "input_batch",
+           "multimodal"]
 PACKAGES = ["torch_sources.serving", "serving_engine"]
 
 

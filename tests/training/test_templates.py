@@ -22,9 +22,9 @@ from torch_sources.training import template as t_template
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZERS = ROOT / "assets" / "tokenizer"
-# qwen2_vl registered (tools/checkpoints_qwen2_vl.py); qwen2_omni and qwen3_vl staged (tools/vl_checkpoints_<family>.py)
+# every family with a tokenizer (tools/checkpoints_<family>.py writes it)
 FAMILIES = ("llama3", "bloom", "falcon", "mistral", "qwen2", "qwen3", "phi4", "starcoder2",
-            "qwen2_vl", "qwen2_omni", "qwen3_vl")
+            "qwen2_vl", "qwen2_omni", "qwen3_vl", "qwen2_5_vl")
 TEMPLATE_MODULES = [t_template, j_template]
 MODULES = [(t_template, t_processor), (j_template, j_processor)]
 
@@ -138,6 +138,7 @@ RAW = {
     "qwen2_vl": (None, "<|im_end|>", "<|endoftext|>"),  # Qwen2-VL-2B-Instruct's tokenizer_config
     "qwen2_omni": (None, "<|im_end|>", "<|endoftext|>"),  # Qwen2.5-Omni-7B's
     "qwen3_vl": (None, "<|im_end|>", "<|endoftext|>"),  # Qwen3-VL-2B-Instruct's
+    "qwen2_5_vl": (None, "<|im_end|>", "<|endoftext|>"),  # Qwen2.5-VL-7B-Instruct's
 }
 SPECIAL_IDS = {
     "bloom": {"<unk>": 400, "<s>": 401, "</s>": 402, "<pad>": 403},
@@ -155,6 +156,8 @@ SPECIAL_IDS = {
     # the release's ids less 151243: the Qwen-VL tokens as qwen2_vl's, then <think> 151667 at 424
     "qwen3_vl": {"<|endoftext|>": 400, "<|im_start|>": 401, "<|im_end|>": 402, "<|vision_start|>": 409,
                  "<|vision_end|>": 410, "<|image_pad|>": 412, "<|video_pad|>": 413, "<think>": 424, "</think>": 425},
+    "qwen2_5_vl": {"<|endoftext|>": 400, "<|im_start|>": 401, "<|im_end|>": 402, "<|vision_start|>": 409,
+                   "<|vision_end|>": 410, "<|image_pad|>": 412, "<|video_pad|>": 413},
 }
 
 _HF = {}

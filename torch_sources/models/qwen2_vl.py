@@ -24,7 +24,7 @@ from torch_sources.models.vision import Qwen2VisionTransformer, Qwen2VLVisionCon
 
 AUTO_MODEL = ("qwen2_vl", "Qwen2VLForConditionalGeneration")  # HF model_type -> this file's model (models/auto.py finds it here)
 __all__ = [
-    "CONFIG_KEYS", "TEXT_KEYS", "LanguageModelView", "Qwen2VLConfig", "read_text_config",
+    "CONFIG_KEYS", "TEXT_KEYS", "LanguageModelView", "Qwen2VLConfig", "read_text_config", "qwen_vl_fields",
     "layer_inputs", "merge_image_embeddings",
     "Qwen2VLTextModel", "Qwen2VLForConditionalGeneration",
 ]
@@ -87,6 +87,22 @@ def read_text_config(d: dict, what: str) -> tuple[Qwen2Config, tuple[int, int, i
     return text, tuple(int(s) for s in section)
 
 
+def qwen_vl_fields(d: dict, config_keys: KeyAudit, text_keys: KeyAudit, what: str) -> dict:
+    """A Qwen-VL config's fields beside its vision config, read the same way by every Qwen-VL family: the audits,
+    the language model (the release's flat text keys, or transformers 5's text_config), its M-RoPE sections, the
+    head tie (the top level's key wins) and the image / video / vision-start token ids (the releases' defaults)."""
+    config_keys.check(d)
+    text_d = dict(d.get("text_config") or {k: v for k, v in d.items() if k in text_keys.keys})
+    if "text_config" in d:
+        text_keys.check({k: v for k, v in text_d.items() if k not in BOOKKEEPING})
+    tie = bool(d.get("tie_word_embeddings", text_d.get("tie_word_embeddings", False)))
+    text_d["tie_word_embeddings"] = tie
+    text, section = read_text_config(text_d, what)
+    return dict(text=text, mrope_section=section, image_token_id=int(d.get("image_token_id", 151655)),
+                video_token_id=int(d.get("video_token_id", 151656)),
+                vision_start_token_id=int(d.get("vision_start_token_id", 151652)), tie_word_embeddings=tie)
+
+
 class LanguageModelView:
     """The family-neutral names the generic checks read, off a vision-language config's language model (`text`)."""
 
@@ -120,16 +136,8 @@ class Qwen2VLConfig(LanguageModelView):
     @classmethod
     def from_hf(cls, d: dict) -> "Qwen2VLConfig":
         """Either layout: the release's flat text keys beside `vision_config`, or transformers 5's `text_config`."""
-        CONFIG_KEYS.check(d)
-        text_d = dict(d.get("text_config") or {k: v for k, v in d.items() if k in TEXT_KEYS.keys})
-        if "text_config" in d:
-            TEXT_KEYS.check({k: v for k, v in text_d.items() if k not in BOOKKEEPING})
-        tie = bool(d.get("tie_word_embeddings", text_d.get("tie_word_embeddings", False)))
-        text_d["tie_word_embeddings"] = tie
-        text, section = read_text_config(text_d, "qwen2_vl config")
-        return cls(text=text, vision=Qwen2VLVisionConfig.from_hf(d["vision_config"]), mrope_section=section,
-                   image_token_id=int(d.get("image_token_id", 151655)), video_token_id=int(d.get("video_token_id", 151656)),
-                   vision_start_token_id=int(d.get("vision_start_token_id", 151652)), tie_word_embeddings=tie)
+        return cls(vision=Qwen2VLVisionConfig.from_hf(d["vision_config"]),
+                   **qwen_vl_fields(d, CONFIG_KEYS, TEXT_KEYS, "qwen2_vl config"))
 
     @classmethod
     def from_pretrained(cls, path) -> "Qwen2VLConfig":

@@ -1,5 +1,8 @@
 """Engine and sampling configuration of the paged-attention serving engine (host side, plain Python).
 
+EngineConfig also sizes the multimodal encoder: the image-embedding rows its vision encoder may produce in one
+step and the rows its output cache holds (vLLM's max_num_encoder_input_tokens and encoder_cache_size).
+
 This is the original in torch_sources/serving/; serving_engine/config.py is the JAX engine's own copy.
 """
 from __future__ import annotations
@@ -27,6 +30,12 @@ class EngineConfig:
     record_trace: bool = False  # keep a StepTrace of every step in Scheduler.trace (graded at L5)
     # Seeds the engine-wide noise stream of unseeded random requests (vLLM's EngineArgs.seed, default 0).
     seed: int = 0
+    # Multimodal encoder (vLLM's SchedulerConfig fields of the same names): image-embedding rows the vision encoder
+    # may produce in one step (0 = max_num_batched_tokens, vLLM's default), and rows the encoder-output cache holds
+    # between steps (0 = the encoder compute budget). Read the resolved values from encoder_compute_budget and
+    # encoder_cache_slots.
+    max_num_encoder_input_tokens: int = 0
+    encoder_cache_size: int = 0
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -35,8 +44,10 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
         if self.mode not in MODES:
             raise ValueError(f"EngineConfig.mode must be one of {MODES}, got {self.mode!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
-            raise ValueError(f"EngineConfig.seed must be an int >= 0, got {self.seed!r}")
+        for name in ("seed", "max_num_encoder_input_tokens", "encoder_cache_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"EngineConfig.{name} must be an int >= 0, got {value!r}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.long_prefill_token_threshold and self.mode != "chunked":
@@ -63,6 +74,14 @@ class EngineConfig:
     @property
     def max_running(self) -> int:  # core mode serves one request at a time
         return 1 if self.mode == "core" else self.max_num_seqs
+
+    @property
+    def encoder_compute_budget(self) -> int:  # image-embedding rows the encoder may produce in one step
+        return self.max_num_encoder_input_tokens or self.max_num_batched_tokens
+
+    @property
+    def encoder_cache_slots(self) -> int:  # image-embedding rows the encoder-output cache holds
+        return self.encoder_cache_size or self.encoder_compute_budget
 
 
 @dataclass(frozen=True)

@@ -61,15 +61,21 @@ class LLMEngine:
         self.num_preemptions = 0
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    sampling_params: SamplingParams | None = None) -> None:
+                    sampling_params: SamplingParams | None = None, images: Sequence = ()) -> None:
+        """images: raw uint8[H,W,3] arrays, in order, each named in the prompt by one image token (a multimodal
+        family); the request's prompt is the expanded one (ModelRunner.prepare_images)."""
         params = sampling_params or SamplingParams()
+        placeholders, mm_inputs = (), ()
+        if len(images) or self.runner.multimodal:  # also refuses an image token without its image
+            prompt_token_ids, placeholders, mm_inputs = self.runner.prepare_images(prompt_token_ids, images)
         # Request holds one EOS id; a checkpoint's further EOS ids (Llama 3: <|eot_id|>) stop it as stop tokens
         # (vLLM's SamplingParams.update_from_generation_config).
         eos, extra = (self.eos_token_ids[0], self.eos_token_ids[1:]) if self.eos_token_ids else (None, ())
         extra = tuple(e for e in extra if e != eos and e not in params.stop_token_ids)
         if extra and not params.ignore_eos:
             params = replace(params, stop_token_ids=params.stop_token_ids + extra)
-        request = Request(str(request_id), list(prompt_token_ids), params, eos_token_id=eos)
+        request = Request(str(request_id), list(prompt_token_ids), params, eos_token_id=eos,
+                          mm_placeholders=tuple(placeholders), mm_inputs=tuple(mm_inputs))
         self.scheduler.add_request(request)
         self._requests[request.request_id] = request
         n = len(request.prompt_token_ids)
@@ -123,16 +129,22 @@ class LLMEngine:
                 del self._outputs[rid], self._requests[rid]
         return results
 
-    def generate(self, prompts: Sequence[Sequence[int]],
+    def generate(self, prompts: Sequence[Sequence[int] | Mapping],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run prompts (token ids; request ids "0", "1", ... in order) to completion -> outputs in prompt order."""
+        """Run prompts (token ids, or vLLM's tokens prompt {"prompt_token_ids": ..., "multi_modal_data":
+        {"image": [uint8[H,W,3], ...]}}; request ids "0", "1", ... in order) to completion -> outputs in prompt
+        order."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         ids = [str(i) for i in range(len(prompts))]
         for rid, prompt, params in zip(ids, prompts, sampling_params):
-            self.add_request(rid, prompt, params)
+            if isinstance(prompt, Mapping):
+                self.add_request(rid, prompt["prompt_token_ids"], params,
+                                 images=(prompt.get("multi_modal_data") or {}).get("image", ()))
+            else:
+                self.add_request(rid, prompt, params)
         done: dict[str, RequestOutput] = {}
         while self.scheduler.has_unfinished_requests():
             done.update((o.request_id, o) for o in self.step() if o.finished)
@@ -142,4 +154,5 @@ class LLMEngine:
         kv = self.scheduler.kv_cache_manager
         return dict(num_steps=self.num_steps, num_prefix_hit_blocks=kv.num_prefix_hit_blocks,
                     num_preemptions=self.num_preemptions, num_free_blocks=kv.num_free_blocks,
-                    num_blocks=self.config.num_blocks, num_compilations=0)  # eager torch compiles nothing
+                    num_blocks=self.config.num_blocks, num_encoder_runs=self.runner.num_encoder_runs,
+                    num_compilations=0)  # eager torch compiles nothing

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from .request import Request
 from .scheduler import SchedulerOutput
 
-__all__ = ["PAD_SLOT_ID", "BatchMetadata", "PromptLogprobTarget", "pick_bucket", "make_token_buckets",
-           "build_batch_metadata", "prompt_logprob_targets"]
+__all__ = ["PAD_SLOT_ID", "BatchMetadata", "PromptLogprobTarget", "MultimodalSlice", "pick_bucket",
+           "make_token_buckets", "build_batch_metadata", "prompt_logprob_targets", "mrope_positions",
+           "multimodal_slices"]
 
 PAD_SLOT_ID = -1  # padding tokens write nowhere (a JAX runner maps it to an out-of-range index with mode="drop")
 
@@ -120,3 +121,44 @@ def prompt_logprob_targets(batch: BatchMetadata, requests: Mapping[str, Request]
             if pos + 1 < req.num_prompt_tokens:
                 targets.append(PromptLogprobTarget(rid, i, pos, req.prompt_token_ids[pos + 1], num))
     return targets
+
+
+def mrope_positions(batch: BatchMetadata, tables: Mapping[str, tuple[Sequence[Sequence[int]], int]]) -> list[list[int]]:
+    """M-RoPE positions i32[3, T] of a step: a prompt token's column of its request's table (tables[request id] =
+    (the prompt's 3 x L rows, delta)), a later token (an output, or its recompute) at position + delta on all
+    three rows, as vLLM's MRotaryEmbedding.get_next_input_positions continues them; padding at 0."""
+    rows = [[0] * batch.padded_num_tokens for _ in range(3)]
+    for row, rid in enumerate(batch.req_ids):
+        table, delta = tables[rid]
+        num_prompt = len(table[0])
+        for i in range(batch.query_start_loc[row], batch.query_start_loc[row + 1]):
+            pos = batch.positions[i]
+            for axis in range(3):
+                rows[axis][i] = table[axis][pos] if pos < num_prompt else pos + delta
+    return rows
+
+
+@dataclass(frozen=True)
+class MultimodalSlice:
+    request_id: str
+    token_index: int  # first index in the step's flat token axis the slice fills
+    mm_hash: str  # whose encoder output
+    start: int  # rows start..end of that output
+    end: int
+
+
+def multimodal_slices(batch: BatchMetadata, requests: Mapping[str, Request]) -> list[MultimodalSlice]:
+    """Where the step's tokens cover a placeholder range: the encoder rows they take, a chunk that starts or
+    ends inside a range taking only its part (vLLM's _gather_mm_embeddings)."""
+    out = []
+    for row, rid in enumerate(batch.req_ids):
+        lo, hi = batch.query_start_loc[row], batch.query_start_loc[row + 1]
+        if lo == hi:
+            continue
+        start = batch.positions[lo]
+        end = start + hi - lo
+        for offset, length, mm_hash in requests[rid].mm_placeholders:
+            a, b = max(start, offset), min(end, offset + length)
+            if a < b:
+                out.append(MultimodalSlice(rid, lo + a - start, mm_hash, a - offset, b - offset))
+    return out

@@ -1,5 +1,8 @@
 """Request state of the paged-attention serving engine (host side, plain Python; shaped like vllm/v1/request.py).
 
+A request with images carries one placeholder (offset, length, content hash) per image, sorted and disjoint inside
+the prompt, and optionally one opaque payload per image for the model runner's encoder (mm_inputs).
+
 This is the original in torch_sources/serving/; serving_engine/request.py is the JAX engine's own copy.
 """
 from __future__ import annotations
@@ -48,10 +51,33 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling (-1 until then)
     num_preemptions: int = 0
     stop_reason: int | None = None  # the stop token id that finished the request, if any
+    # One opaque payload per placeholder (e.g. an image's pixel values and grid) for the model runner's encoder;
+    # the host side never looks inside. Empty when the request has no images or the runner gets them elsewhere.
+    mm_inputs: tuple = ()
 
     def __post_init__(self):
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
         self.mm_placeholders = tuple((int(o), int(n), str(h)) for o, n, h in self.mm_placeholders)
+        self.mm_inputs = tuple(self.mm_inputs)
+        self._check_mm_placeholders()
+
+    def _check_mm_placeholders(self) -> None:
+        # The encoder scheduler walks placeholders in order and stops at the first one past the chunk, so they must
+        # be sorted and disjoint; each must lie inside the prompt, where its embeddings replace the pad tokens.
+        rid, num_prompt, prev_end = self.request_id, len(self.prompt_token_ids), 0
+        for i, (offset, length, _) in enumerate(self.mm_placeholders):
+            if length < 1:
+                raise ValueError(f"request {rid!r}: placeholder {i} has length {length}, it must be >= 1")
+            if offset < 0 or offset + length > num_prompt:
+                raise ValueError(f"request {rid!r}: placeholder {i} covers [{offset}, {offset + length}), outside the "
+                                 f"prompt of {num_prompt} tokens")
+            if offset < prev_end:
+                raise ValueError(f"request {rid!r}: placeholder {i} starts at {offset}, before the previous one ends "
+                                 f"at {prev_end}; placeholders must be sorted by offset and must not overlap")
+            prev_end = offset + length
+        if self.mm_inputs and len(self.mm_inputs) != len(self.mm_placeholders):
+            raise ValueError(f"request {rid!r}: {len(self.mm_inputs)} mm_inputs for {len(self.mm_placeholders)} "
+                             f"placeholders; give one per placeholder, or none")
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -72,6 +98,15 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)
+
+    @property
+    def has_encoder_inputs(self) -> bool:
+        return bool(self.mm_placeholders)
+
+    def get_num_encoder_tokens(self, input_id: int) -> int:
+        # Every placeholder token is one image-embedding row: vLLM's is_embed mask is all-true for Qwen2.5-VL's
+        # image pads, so the encoder output of an image is exactly as long as its placeholder.
+        return self.mm_placeholders[input_id][1]
 
     def append_output_token_ids(self, token_id: int) -> None:
         self.output_token_ids.append(int(token_id))

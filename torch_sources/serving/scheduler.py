@@ -11,15 +11,20 @@ a prefill chunk, a recompute), then waiting requests FCFS. When blocks run out, 
 lowest priority) is preempted by recompute: its blocks are freed, its num_computed_tokens is reset to 0 and it
 goes back to the front of the waiting queue. Once the request being scheduled preempts itself, the running
 pass stops; after any preemption no waiting request is admitted in that step.
+Images (vLLM's multimodal encoder scheduling): an image's encoder runs, whole, in the step whose chunk first reaches
+its placeholder, within an encoder compute budget per step, and its output stays in the encoder cache
+(encoder_cache_manager.py) until the placeholder is fully computed. When the budget or the cache cannot take an
+image, the chunk stops just before its placeholder (a running request with nothing left to schedule is skipped).
 
 This is the original in torch_sources/serving/; serving_engine/scheduler.py is the JAX engine's own copy.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .config import EngineConfig
+from .encoder_cache_manager import EncoderCacheManager
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 
@@ -38,6 +43,9 @@ class SchedulerOutput:
     block_tables: list[list[int]]  # the request's whole block table after this step's allocation
     preempted_req_ids: list[str]  # preempted in this step (not scheduled)
     finished_req_ids: list[str]  # finished since the previous schedule(); the runner can drop their state
+    # request id -> indices of its images whose encoder runs this step (its outputs go to the encoder cache)
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)  # evicted from the encoder cache: drop them
 
     @property
     def num_seqs(self) -> int:
@@ -57,12 +65,15 @@ class StepTrace:
     block_tables: list[list[int]]  # of each scheduled request, after this step's allocation
     freed_block_ids: list[int]  # back in the free list this step (preemptions, finished requests), in order
     evicted_block_ids: list[int]  # cached blocks whose hash was dropped on reuse this step, in order
+    scheduled_encoder_inputs: list[tuple[str, int]] = field(default_factory=list)  # (request id, image), in order
+    freed_mm_hashes: list[str] = field(default_factory=list)  # evicted from the encoder cache this step
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.kv_cache_manager = KVCacheManager(config.block_size, config.num_blocks, config.enable_prefix_caching)
+        self.encoder_cache_manager = EncoderCacheManager(config.encoder_cache_slots)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one has the lowest priority
@@ -88,6 +99,7 @@ class Scheduler:
             raise ValueError(
                 f"request {rid!r} can never fit in the KV cache: up to {max_kv_tokens} tokens need {blocks_needed} "
                 f"blocks of {cfg.block_size}, the cache has num_blocks={cfg.num_blocks} (one is the null block)")
+        self._check_encoder_inputs_fit(request)
         request.arrival_index = self._num_arrivals
         self._num_arrivals += 1
         self.requests[rid] = request
@@ -110,8 +122,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         cfg, kv = self.config, self.kv_cache_manager
         budget = cfg.max_num_batched_tokens
+        encoder_budget = cfg.encoder_compute_budget  # image-embedding rows the encoder may still produce
         scheduled: dict[str, int] = {}  # request id -> tokens; insertion order is schedule order
         new_blocks: dict[str, list[int]] = {}
+        scheduled_encoder_inputs: dict[str, list[int]] = {}  # request id -> images whose encoder runs this step
         preempted: list[Request] = []
 
         # 1. Running requests, in queue order (vLLM v1 has no prefill or decode phase).
@@ -119,9 +133,20 @@ class Scheduler:
         while req_index < len(self.running) and budget > 0:
             req = self.running[req_index]
             num_new = self._cap(req.num_tokens - req.num_computed_tokens, budget)
+            inputs, new_encoder_budget = [], encoder_budget
+            if req.has_encoder_inputs:
+                inputs, num_new, new_encoder_budget = self._try_schedule_encoder_inputs(
+                    req, req.num_computed_tokens, num_new, encoder_budget)
+                if num_new == 0:
+                    # Its next image does not fit this step. vLLM skips it rather than stopping, so the requests
+                    # behind it still get the budget.
+                    req_index += 1
+                    continue
             while (blocks := kv.allocate_slots(req, num_new)) is None:
                 victim = self.running.pop()  # the lowest priority: the last admitted
-                budget += self._preempt(victim, scheduled, new_blocks)
+                num_tokens, num_encoder_tokens = self._preempt(victim, scheduled, new_blocks, scheduled_encoder_inputs)
+                budget += num_tokens
+                new_encoder_budget += num_encoder_tokens
                 preempted.append(victim)
                 if victim is req:
                     break
@@ -130,6 +155,8 @@ class Scheduler:
             scheduled[req.request_id] = num_new
             new_blocks[req.request_id] = [b.block_id for b in blocks]
             budget -= num_new
+            encoder_budget = new_encoder_budget
+            self._allocate_encoder_inputs(req, inputs, scheduled_encoder_inputs)
             req_index += 1
 
         # 2. Waiting requests, FCFS; none after a preemption (the cache is full) and none past max_num_seqs.
@@ -140,8 +167,15 @@ class Scheduler:
             if not cfg.chunked_prefill and num_new > budget:
                 break  # a whole prefill must fit the remaining budget; wait for the next step
             num_new = self._cap(num_new, budget)
+            inputs, new_encoder_budget = [], encoder_budget
+            if req.has_encoder_inputs:
+                inputs, num_new, new_encoder_budget = self._try_schedule_encoder_inputs(
+                    req, num_hit_tokens, num_new, encoder_budget)
+                if num_new == 0:
+                    break
             blocks = kv.allocate_slots(req, num_new, hit_blocks)
             if blocks is None:
+                self.encoder_cache_manager.free(req)  # drop the references check_and_update_cache took
                 break
             self.waiting.popleft()
             self.running.append(req)
@@ -152,6 +186,8 @@ class Scheduler:
             scheduled[req.request_id] = num_new
             new_blocks[req.request_id] = [b.block_id for b in blocks]
             budget -= num_new
+            encoder_budget = new_encoder_budget
+            self._allocate_encoder_inputs(req, inputs, scheduled_encoder_inputs)
 
         # 3. Record the step, then advance num_computed_tokens at once (vLLM does the same): the tokens count as
         # computed for the next schedule() even before update_from_output.
@@ -167,9 +203,14 @@ class Scheduler:
             block_tables=[kv.get_block_ids(self.requests[r]) for r in ids],
             preempted_req_ids=[r.request_id for r in preempted],
             finished_req_ids=self.finished_req_ids,
+            scheduled_encoder_inputs=scheduled_encoder_inputs,
+            free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
         )
         for r in ids:
-            self.requests[r].num_computed_tokens += scheduled[r]
+            req = self.requests[r]
+            req.num_computed_tokens += scheduled[r]
+            if req.has_encoder_inputs:
+                self._free_encoder_inputs(req)
         self.finished_req_ids = []
         return out
 
@@ -197,7 +238,10 @@ class Scheduler:
             out = scheduler_output
             self.trace.append(StepTrace(list(out.scheduled_req_ids), list(out.num_scheduled_tokens),
                                         list(out.preempted_req_ids), [list(t) for t in out.block_tables],
-                                        freed, evicted))
+                                        freed, evicted,
+                                        [(rid, i) for rid, inputs in out.scheduled_encoder_inputs.items()
+                                         for i in inputs],
+                                        list(out.free_encoder_mm_hashes)))
         return finished
 
     # -- helpers ---------------------------------------------------------------------------------------------
@@ -212,15 +256,75 @@ class Scheduler:
             num_new = min(num_new, threshold)
         return min(num_new, budget)
 
-    def _preempt(self, req: Request, scheduled: dict[str, int], new_blocks: dict[str, list[int]]) -> int:
-        """Recompute preemption; returns the tokens it had been scheduled this step (back to the budget)."""
+    def _check_encoder_inputs_fit(self, request: Request) -> None:
+        # The encoder runs an image whole, so one larger than the compute budget or the cache never runs. vLLM
+        # raises both limits to the largest image at startup; the engine refuses the request instead.
+        cfg = self.config
+        for i in range(len(request.mm_placeholders)):
+            n = request.get_num_encoder_tokens(i)
+            if n > cfg.encoder_compute_budget or n > cfg.encoder_cache_slots:
+                raise ValueError(
+                    f"request {request.request_id!r}: image {i} has {n} placeholder tokens, more than the encoder "
+                    f"compute budget ({cfg.encoder_compute_budget}, max_num_encoder_input_tokens) or the encoder "
+                    f"cache ({cfg.encoder_cache_slots}, encoder_cache_size) can take, so it could never be scheduled")
+
+    def _try_schedule_encoder_inputs(self, request: Request, num_computed_tokens: int, num_new_tokens: int,
+                                     encoder_budget: int) -> tuple[list[int], int, int]:
+        """The images whose encoder must run for tokens [num_computed_tokens, +num_new_tokens) of the request ->
+        (their indices, num_new_tokens, encoder budget left). An image already in the KV cache or in the encoder
+        cache needs no run. When the budget or the cache cannot take an image, the chunk stops just before its
+        placeholder (0 tokens when the chunk starts inside it). Nothing is allocated here."""
+        cache = self.encoder_cache_manager
+        inputs: list[int] = []
+        hashes: set[str] = set()  # scheduled in this call: a repeated image runs once
+        num_embeds_to_schedule = 0
+        for i, (start, length, mm_hash) in enumerate(request.mm_placeholders):
+            if start >= num_computed_tokens + num_new_tokens:
+                break  # this image, and every later one, lies past the chunk
+            if start + length <= num_computed_tokens:
+                continue  # its embeddings already went into the KV cache
+            if mm_hash in hashes or cache.check_and_update_cache(request, i):
+                continue
+            if not cache.can_allocate(request, i, encoder_budget, num_embeds_to_schedule):
+                # The encoder attends over a whole image, so it cannot run on the part this chunk would cover.
+                num_new_tokens = start - num_computed_tokens if num_computed_tokens < start else 0
+                break
+            num_embeds = request.get_num_encoder_tokens(i)
+            num_embeds_to_schedule += num_embeds
+            encoder_budget -= num_embeds
+            hashes.add(mm_hash)
+            inputs.append(i)
+        return inputs, num_new_tokens, encoder_budget
+
+    def _allocate_encoder_inputs(self, req: Request, inputs: list[int], encoder_inputs: dict[str, list[int]]) -> None:
+        # The request is scheduled: its images' encoder outputs take their cache rows now.
+        if not inputs:
+            return
+        encoder_inputs[req.request_id] = inputs
+        for i in inputs:
+            self.encoder_cache_manager.allocate(req, i)
+
+    def _free_encoder_inputs(self, req: Request) -> None:
+        # An image whose placeholder is fully computed lives on in the KV cache: drop the request's reference.
+        cache = self.encoder_cache_manager
+        for i in sorted(cache.get_cached_input_ids(req)):
+            start, length, _ = req.mm_placeholders[i]
+            if start + length <= req.num_computed_tokens:
+                cache.free_encoder_input(req, i)
+
+    def _preempt(self, req: Request, scheduled: dict[str, int], new_blocks: dict[str, list[int]],
+                 encoder_inputs: dict[str, list[int]]) -> tuple[int, int]:
+        """Recompute preemption -> (tokens, encoder rows) it had been scheduled this step (back to the budgets).
+        Its encoder outputs stay cached, unreferenced: resumed before they are evicted, it reuses them."""
         self.kv_cache_manager.free(req)
+        self.encoder_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.waiting.appendleft(req)
         new_blocks.pop(req.request_id, None)
-        return scheduled.pop(req.request_id, 0)
+        num_encoder_tokens = sum(req.get_num_encoder_tokens(i) for i in encoder_inputs.pop(req.request_id, []))
+        return scheduled.pop(req.request_id, 0), num_encoder_tokens
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
         # Same order as vllm/v1/core/sched/utils.py::check_stop: eos, then stop tokens, then the length caps, so a
@@ -240,5 +344,6 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.kv_cache_manager.free(req)
+        self.encoder_cache_manager.free(req)
         self.finished_req_ids.append(req.request_id)
         del self.requests[req.request_id]
