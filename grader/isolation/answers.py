@@ -110,8 +110,12 @@ class Haystack:
         j = int(np.argmin(hi - lo))  # the rarest element of q anchors the candidate windows
         starts = self.order[lo[j]:hi[j]] - j
         starts = starts[(starts >= 0) & (starts + q.size <= self.h.size)]
-        if starts.size:
-            starts = starts[np.all(self.h[starts[:, None] + np.arange(q.size)] == q, axis=1)]
+        # Element by element, rarest first, the candidates thin out at once: a common anchor (an image's flat
+        # colour holds one pixel value thousands of times) never builds a [candidates, len(q)] window matrix
+        for k in np.argsort(hi - lo, kind="stable"):
+            if not starts.size:
+                break
+            starts = starts[self.h[starts + k] == q[k]]
         return {int(i) for i in np.searchsorted(self.starts, starts, "right") - 1}
 
 
