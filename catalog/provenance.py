@@ -120,12 +120,14 @@ def checkpoint_mismatch(h5_path: Path, cfg: DictConfig) -> str | None:
             f"with checkpoint={checkpoint_label(ckpt)}")
 
 
-def model_files(family_file: Path) -> list[Path]:
-    """The family file and every torch_sources/models module it imports, transitively (the shared layers, the
-    model registry, the Llama blocks a Llama-shaped family composes), read statically."""
+def model_files(family_file: Path, *importers: Path) -> list[Path]:
+    """The family file and every torch_sources/models module it (or one of `importers`: the training workflow's
+    files, whose data path reads the image and audio processors) imports, transitively (the shared layers, the
+    model registry, the Llama blocks a Llama-shaped family composes), read statically; importers themselves are
+    not listed."""
     import ast
 
-    models, seen, todo = ROOT / "torch_sources/models", [], [Path(family_file)]
+    models, seen, todo = ROOT / "torch_sources/models", [], [Path(family_file), *map(Path, importers)]
     while todo:
         path = todo.pop()
         if path in seen or not path.is_file():
@@ -136,13 +138,14 @@ def model_files(family_file: Path) -> list[Path]:
                 rest = node.module.split(".")[2:]
                 names = rest[:1] if rest else [a.name for a in node.names]
                 todo += [models / f"{name}.py" for name in names]
-    return sorted(seen)
+    return sorted(p for p in seen if p not in importers)
 
 
 def task_source_files(cfg: DictConfig) -> list[Path]:
     """Every file whose change can change the recorded numbers."""
     task_class = cfg.method.task_class if "method" in cfg else cfg.mode.task_class
-    files = [*model_files(ROOT / "torch_sources/models" / Path(cfg.family.model_module).name),
+    workflow = sorted((ROOT / "torch_sources/training").glob("*.py")) if task_class == "training" else []
+    files = [*model_files(ROOT / "torch_sources/models" / Path(cfg.family.model_module).name, *workflow),
              ROOT / "torch_sources/models/auto.py",
              ROOT / "torch_sources/models/loading.py",
              ROOT / f"recorder/probes/{task_class}.py",
@@ -153,7 +156,7 @@ def task_source_files(cfg: DictConfig) -> list[Path]:
              ROOT / "catalog/heldout.py",
              ROOT / "catalog/workloads.py"]  # workloads and check inputs both sides drive the same way
     if task_class == "training":
-        files += sorted((ROOT / "torch_sources/training").glob("*.py"))
+        files += workflow
         files += sorted((ROOT / cfg.data.dir).glob("*"))
         files += sorted((ROOT / cfg.family.tokenizer).glob("*"))
         files += [ROOT / "catalog/ppo_eval.py"]  # the recorder checks the grader's PPO L6 scoring on the source

@@ -84,6 +84,11 @@ def tensor_index(path) -> dict[str, tuple[Path, dict]]:
         return {name: (d / SINGLE_FILE, e) for name, e in read_header(d / SINGLE_FILE).items()}
     if not (d / INDEX_FILE).is_file():
         raise CheckpointError(f"no weights in {d}: expected {SINGLE_FILE} or {INDEX_FILE}")
+    return _sharded_index(d)
+
+
+def _sharded_index(d: Path) -> dict[str, tuple[Path, dict]]:
+    """tensor_index of a release directory: the shard index's weight_map, each shard's header."""
     weight_map = _read_json(d / INDEX_FILE).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{d / INDEX_FILE} has no weight_map")

@@ -198,7 +198,11 @@ def families_of(tasks) -> set[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    executed, sources = collect()
+    """python -m grader.coverage [REPORTS_DIR [OUT_DIR]]: the grade reports of REPORTS_DIR (reports/all)."""
+    argv = sys.argv[1:] if argv is None else argv
+    reports_dir = Path(argv[0]) if argv else ROOT / "reports" / "all"
+    out_dir = Path(argv[1]) if len(argv) > 1 else OUT
+    executed, sources = collect(reports_dir)
     if not executed:
         print("no coverage recorded: run `make grade-all` (oracle side) and "
               "`python -m recorder task=T coverage=true out_dir=/tmp/refs` (torch side)", file=sys.stderr)
@@ -208,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         cls, side = key.split()
         results[key] = analyze(executed[key], SCOPES[cls][side], families=None if cls == "all" else
                                families_of(sources[key]))
-    path = write_report(results, sources)
+    path = write_report(results, sources, out_dir)
     for key, files in results.items():
         print(summary_line(key, files))
     print(f"coverage report: {path}")

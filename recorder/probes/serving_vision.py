@@ -131,21 +131,29 @@ def probe_step_image_inputs(ctx):
 # ---- L5 / L6 -----------------------------------------------------------------------------------
 
 def image_workload(ctx):
-    """(prompt rows, image ids per row): a new image; the same image after the same text (its encoder output and
-    prefix blocks reused); two new images side by side, more rows than the encoder budget (16) takes at once, so
-    the second waits a step; text only; the first prompt with another image (no block past the image shared); a
-    long prompt with a small image; a late image that makes the encoder cache evict (the oldest unreferenced)."""
+    """(prompt rows, image ids per row): a new image; one prompt showing one image twice around another (it runs
+    once); a long text before its images (a chunk that ends before an image); the first image again after the
+    same text (its encoder output and prefix blocks reused); a prompt sharing the second's first block (text and
+    vision-start) with another image behind it (a waiting request whose chunk starts at an image the step cannot
+    encode); two new images side by side, more rows than the encoder budget (16) takes at once, so the second waits
+    a step (a running request whose chunk starts at an image that does not fit); text only; the first prompt with
+    another image (no block past the image shared); a long prompt with a small image; a late image that makes the
+    encoder cache evict (the oldest unreferenced); meanwhile images held by running requests fill the cache."""
     vs, img, ve = _special(ctx)
     r = rng_for(f"{ctx.cfg.task_name}/image_workload")
-    head, tail = _text(r, 6), _text(r, 5)
-    rows = [head + [vs, img, ve] + tail,
-            head + [vs, img, ve] + _text(r, 7),
-            _text(r, 2) + [vs, img, ve] + [vs, img, ve] + _text(r, 3),
+    head, tail, shared = _text(r, 6), _text(r, 5), _text(r, 3)
+    image = [vs, img, ve]
+    rows = [head + image + tail,
+            shared + image * 3,
+            _text(r, 19) + image * 2,
+            head + image + _text(r, 7),
+            shared + image,
+            _text(r, 2) + image * 2 + _text(r, 3),
             _text(r, 12),
-            head + [vs, img, ve] + tail,
-            _text(r, 3) + [vs, img, ve] + _text(r, 20),
-            _text(r, 5) + [vs, img, ve] + _text(r, 6)]
-    image_ids = [[0], [0], [3, 1], [], [1], [2], [4]]
+            head + image + tail,
+            _text(r, 3) + image + _text(r, 20),
+            _text(r, 5) + image + _text(r, 6)]
+    image_ids = [[0], [1, 3, 1], [4, 2], [0], [4], [3, 1], [], [1], [2], [4]]
     return pad_rows(rows), pad_rows(image_ids)
 
 

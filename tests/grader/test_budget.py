@@ -90,3 +90,16 @@ def test_the_oracle_fails_on_time_under_a_budget_it_cannot_meet(tmp_path):
     b = report["budgets"]["L5"]
     assert b["budget_cpu_s"] == pytest.approx(0.1 * b["torch_s"])
     assert b["used_cpu_s"] >= b["kill_at_cpu_s"] * 0.9 and b["meter"] in ("cgroup2", "cgroup1", "procfs"), b
+
+
+def test_a_partial_calibration_beside_another_probe_figure_is_scaled_to_the_tables(tmp_path):
+    """Seconds measured where the speed probe reads 2.0 go into a table calibrated beside 4.0 doubled, as a grade
+    would scale them; tasks measured earlier keep their seconds and the table keeps its probe."""
+    from grader.timing.calibrate import write_budgets
+    path = tmp_path / "budgets.yaml"
+    write_budgets({"oracle_cpu_s": {"a": {"L5": 10.0}, "b": {"L5": 3.0}}, "compile_s": {"a": {"L5": 1.0}}}, 4.0, path)
+    write_budgets({"oracle_cpu_s": {"b": {"L5": 5.0}}, "compile_s": {"b": {"L5": 0.5}}}, 2.0, path)
+    cal = load_calibration(path)
+    assert cal.probe_cpu_s == 4.0
+    assert cal.oracle_cpu_s == {"a": {"L5": 10.0}, "b": {"L5": 10.0}}
+    assert cal.compile_s["b"] == {"L5": 1.0}

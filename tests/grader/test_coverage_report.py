@@ -96,3 +96,17 @@ def test_a_graded_run_under_coverage_reports_the_candidates_executed_lines(tmp_p
     executed = report["coverage"]["jax_oracles/models/llama3.py"]
     assert executed["lines"] and executed["arcs"]
     assert not any(path.startswith(("grader/", "tests/")) for path in report["coverage"])
+
+
+def test_every_shipped_exclusion_names_code_that_exists():
+    """A stale entry (its code renamed or gone) would hide nothing today and something wrong tomorrow: each
+    block starts a line of its file, each pattern matches a line of the graded trees."""
+    import re
+    shipped = gcov.load_exclusions()
+    for e in shipped["blocks"]:
+        lines = (gcov.ROOT / e["file"]).read_text().splitlines()
+        assert any(line.strip().startswith(e["block"]) for line in lines), e
+    sources = [line for root in gcov.SCOPES["all"]["oracle"] + gcov.SCOPES["all"]["torch"]
+               for path in (gcov.ROOT / root).rglob("*.py") for line in path.read_text().splitlines()]
+    for e in shipped["patterns"]:
+        assert any(re.search(e["regex"], line) for line in sources), e["regex"]

@@ -152,9 +152,7 @@ def multimodal_slices(batch: BatchMetadata, requests: Mapping[str, Request]) -> 
     ends inside a range taking only its part (vLLM's _gather_mm_embeddings)."""
     out = []
     for row, rid in enumerate(batch.req_ids):
-        lo, hi = batch.query_start_loc[row], batch.query_start_loc[row + 1]
-        if lo == hi:
-            continue
+        lo, hi = batch.query_start_loc[row], batch.query_start_loc[row + 1]  # a scheduled request has tokens
         start = batch.positions[lo]
         end = start + hi - lo
         for offset, length, mm_hash in requests[rid].mm_placeholders:
