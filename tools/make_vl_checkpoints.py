@@ -3,8 +3,10 @@ builder (`make_<family>(out_dir)`), found by name, written to assets/checkpoints
 
 The Qwen-VL token ids keep the release's layout shifted into the tiny vocabulary: 400 <|endoftext|> .. 413
 <|video_pad|> mirror 151643 .. 151656 (<|vision_start|> 409, <|vision_end|> 410, <|vision_pad|> 411, <|image_pad|>
-412). `python tools/make_vl_checkpoints.py [family ...]` reproduces the files byte for byte. The families are not
-tasks yet (issue 32): once registered, each builder becomes its tools/checkpoints_<family>.py.
+412); the other families' own special tokens take ids 400.. in their TOKENIZER rows. `python
+tools/make_vl_checkpoints.py [family ...]` reproduces the files byte for byte. A builder here is a staged family whose
+tasks are not registered yet (issue 34: gemma3, paligemma, llava_next, internvl); once registered, it becomes its
+tools/checkpoints_<family>.py.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import numpy as np
 __all__ = [
     "IMAGE_PLACEHOLDER", "VIDEO_PLACEHOLDER", "AUDIO_PLACEHOLDER", "LF_TEMPLATE_TOKENS",
     "OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD", "QwenImageProcessorConfig", "smart_resize",
-    "read_png", "to_rgb", "load_image", "resize_bicubic",
+    "read_png", "to_rgb", "load_image", "resize_bicubic", "resize_bilinear", "resize_pil",
     "rescale", "normalize", "patchify", "process_images",
     "preprocess_image_lf", "expand_image_placeholders",
 ]
@@ -232,18 +232,28 @@ def _bicubic_filter(x: np.ndarray) -> np.ndarray:
     return np.where(x < 1.0, near, np.where(x < 2.0, far, 0.0))
 
 
-def _precompute_coeffs(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Resample.c precompute_coeffs + normalize_coeffs_8bpc for the box (0, in_size): per output pixel the first
-    source pixel xmin i64[out], the tap count xmax i64[out] and the fixed-point taps i64[out, ksize] (0 past xmax)."""
+def _bilinear_filter(x: np.ndarray) -> np.ndarray:  # Resample.c bilinear_filter: 1 - |x| inside (-1, 1)
+    x = np.abs(x)
+    return np.where(x < 1.0, 1.0 - x, 0.0)
+
+
+_FILTERS = {2: (_bilinear_filter, 1.0), 3: (_bicubic_filter, 2.0)}  # PIL Resampling id -> (filter, support)
+
+
+def _precompute_coeffs(in_size: int, out_size: int, resample: int = 3) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Resample.c precompute_coeffs + normalize_coeffs_8bpc for the box (0, in_size) and filter `resample`: per
+    output pixel the first source pixel xmin i64[out], the tap count xmax i64[out] and the fixed-point taps
+    i64[out, ksize] (0 past xmax)."""
+    kernel, kernel_support = _FILTERS[resample]
     scale = in_size / out_size
     filterscale = max(scale, 1.0)  # downscaling widens the filter by the scale
-    support = 2.0 * filterscale  # BICUBIC support 2
+    support = kernel_support * filterscale
     ksize = int(math.ceil(support)) * 2 + 1
     center = (np.arange(out_size) + 0.5) * scale
     xmin = np.maximum(np.trunc(center - support + 0.5), 0).astype(np.int64)  # C's (int) cast truncates
     xmax = np.minimum(np.trunc(center + support + 0.5), in_size).astype(np.int64) - xmin
     taps = np.arange(ksize)
-    w = _bicubic_filter(((taps + xmin[:, None]) - center[:, None] + 0.5) * (1.0 / filterscale))
+    w = kernel(((taps + xmin[:, None]) - center[:, None] + 0.5) * (1.0 / filterscale))
     w = np.where(taps < xmax[:, None], w, 0.0)
     ww = np.cumsum(w, axis=1)[:, -1:]  # the C adds the taps left to right; cumsum keeps that order
     w = np.divide(w, ww, out=w.copy(), where=ww != 0.0)
@@ -260,16 +270,18 @@ def _resample_rows(image: np.ndarray, xmin: np.ndarray, kk: np.ndarray) -> np.nd
     return np.clip(acc >> _PRECISION_BITS, 0, 255).astype(np.uint8)
 
 
-def _resample(image: np.ndarray, height: int, width: int) -> np.ndarray:
+def _resample(image: np.ndarray, height: int, width: int, resample: int = 3) -> np.ndarray:
     """Resample.c ImagingResampleInner (Pillow 13.0): two passes with a uint8 image in between; a pass whose size
-    is unchanged is skipped. Horizontal first (over only the rows the vertical pass reads: Pillow's saving, the same
-    result), except when the height shrinks and the width does not: then vertical first. (Pillow <= 12.1 always
-    went horizontal first, 12.2-12.3 vertical first only for images over 100x taller than wide: PIL's own output
-    is version dependent.)"""
+    is unchanged is skipped. Vertical first iff the height shrinks by more than twice what the width does
+    (h - height > 0 and h - height > 2 (w - width); a tie goes horizontal first), else horizontal first; the order
+    changes the result by a last bit. The first pass reads only the rows (columns) the second pass reads: Pillow's
+    saving, the same result, so the horizontal-first path crops rows and the vertical-first one needs no crop.
+    (Pillow <= 12.1 always went horizontal first, 12.2-12.3 vertical first only for images over 100x taller than
+    wide: PIL's own output is version dependent.)"""
     h, w, _ = image.shape
-    vertical_first = width >= w and height < h
-    ymin, ymax, ky = _precompute_coeffs(h, height)
-    xmin, _, kx = _precompute_coeffs(w, width)
+    vertical_first = h - height > 0 and h - height > 2 * (w - width)
+    ymin, ymax, ky = _precompute_coeffs(h, height, resample)
+    xmin, _, kx = _precompute_coeffs(w, width, resample)
     if width != w and not vertical_first:
         ybox_first, ybox_last = int(ymin[0]), int(ymin[-1] + ymax[-1])  # first and one-past-last rows read
         image = _resample_rows(image[ybox_first:ybox_last], xmin, kx)
@@ -294,16 +306,30 @@ def _unpremultiply(image: np.ndarray) -> np.ndarray:  # Convert.c rgba2rgbA: RGB
     return np.concatenate([rgb, a], -1).astype(np.uint8)
 
 
-def resize_bicubic(image: np.ndarray, height: int, width: int) -> np.ndarray:
-    """uint8[H,W,C] -> uint8[height,width,C]: PIL's `Image.resize((width, height), BICUBIC)` bit for bit
-    (Image.resize resamples RGBA premultiplied: RGBA -> RGBa -> resize -> RGBA)."""
+def resize_pil(image: np.ndarray, height: int, width: int, resample: int) -> np.ndarray:
+    """uint8[H,W,C] -> uint8[height,width,C]: PIL 13.0's `Image.resize((width, height), resample)` bit for bit,
+    resample 2 (BILINEAR) or 3 (BICUBIC) (Image.resize resamples RGBA premultiplied: RGBA -> RGBa -> resize ->
+    RGBA)."""
+    if resample not in _FILTERS:
+        raise ValueError(f"resample={resample}: only PIL BILINEAR (2) and BICUBIC (3) are here")
     if height <= 0 or width <= 0:
         raise ValueError("height and width must be > 0")
     if (height, width) == _check(image).shape[:2]:  # Image.resize returns a copy
         return image.copy()
     if image.shape[-1] == 4:
-        return _unpremultiply(_resample(_premultiply(image), height, width))
-    return _resample(image, height, width)
+        return _unpremultiply(_resample(_premultiply(image), height, width, resample))
+    return _resample(image, height, width, resample)
+
+
+def resize_bicubic(image: np.ndarray, height: int, width: int) -> np.ndarray:
+    """uint8[H,W,C] -> uint8[height,width,C]: PIL's `Image.resize((width, height), BICUBIC)` bit for bit."""
+    return resize_pil(image, height, width, 3)
+
+
+def resize_bilinear(image: np.ndarray, height: int, width: int) -> np.ndarray:
+    """uint8[H,W,C] -> uint8[height,width,C]: PIL's `Image.resize((width, height), BILINEAR)` bit for bit, the
+    resample Gemma3ImageProcessorPil uses."""
+    return resize_pil(image, height, width, 2)
 
 
 def rescale(image: np.ndarray, scale: float) -> np.ndarray:
@@ -413,3 +439,4 @@ def expand_image_placeholders(messages: list[dict[str, str]], image_grid_thw: np
             i += 1
         message["content"] = content
     return messages
+

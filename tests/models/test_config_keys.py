@@ -113,6 +113,16 @@ VL_AUDITS = [
     ("qwen2_omni", "CONFIG_KEYS", "models.qwen2_5_omni.configuration_qwen2_5_omni.Qwen2_5OmniThinkerConfig"),
     ("qwen2_omni", "WRAPPER_KEYS", "models.qwen2_5_omni.configuration_qwen2_5_omni.Qwen2_5OmniConfig"),
     ("audio", "AUDIO_KEYS", "models.qwen2_5_omni.configuration_qwen2_5_omni.Qwen2_5OmniAudioEncoderConfig"),
+    ("gemma3", "TEXT_KEYS", "models.gemma3.configuration_gemma3.Gemma3TextConfig"),
+    ("gemma3", "CONFIG_KEYS", "models.gemma3.configuration_gemma3.Gemma3Config"),
+    ("siglip", "VISION_KEYS", "models.siglip.configuration_siglip.SiglipVisionConfig"),
+    ("paligemma", "TEXT_KEYS", "models.gemma.configuration_gemma.GemmaConfig"),
+    ("paligemma", "CONFIG_KEYS", "models.paligemma.configuration_paligemma.PaliGemmaConfig"),
+    ("internvl", "CONFIG_KEYS", "models.internvl.configuration_internvl.InternVLConfig"),
+    ("intern_vit", "VISION_KEYS", "models.internvl.configuration_internvl.InternVLVisionConfig"),
+    ("llava_next", "CONFIG_KEYS", "models.llava_next.configuration_llava_next.LlavaNextConfig"),
+    ("llava_next", "TEXT_KEYS", "models.llama.configuration_llama.LlamaConfig"),
+    ("clip", "CLIP_VISION_KEYS", "models.clip.configuration_clip.CLIPVisionConfig"),
 ]
 
 

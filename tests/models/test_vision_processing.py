@@ -123,14 +123,14 @@ def test_make_images_is_byte_reproducible(tmp_path):
 
 
 def test_shipped_images_avoid_the_pillow_version_dependent_pass_order():
-    # Pillow 13 resamples vertically first when the height shrinks and the width does not, older ones horizontally
-    # first (test_resize_bicubic_pass_order_is_pillow_13s): the shipped images keep clear of that case.
+    # Pillow 13 resamples vertically first when the height shrinks by more than twice what the width does, older ones
+    # horizontally first (test_resize_bicubic_pass_order_sweep_matches_pil): the shipped images keep clear of that.
     for p in IMAGES:
         img = J.read_png(p)
         for cfg in (J.QwenImageProcessorConfig.qwen2_vl(), J.QwenImageProcessorConfig.qwen3_vl()):
             for h, w in (img.shape[:2], J.preprocess_image_lf(img).shape[:2]):
                 new_h, new_w = J.smart_resize(h, w, cfg.factor, cfg.min_pixels, cfg.max_pixels)
-                assert not (new_h < h and new_w >= w), (p.name, (h, w), (new_h, new_w))
+                assert not _vertical_first(h, w, new_h, new_w), (p.name, (h, w), (new_h, new_w))
 
 
 def test_read_png_matches_pil(tmp_path):
@@ -208,6 +208,41 @@ def test_resize_bicubic_pass_order_is_pillow_13s():
     np.testing.assert_array_equal(J.resize_bicubic(img, 84, 140), ref)
     horizontal_first = J.resize_bicubic(J.resize_bicubic(img, 90, 140), 84, 140)
     assert not np.array_equal(horizontal_first, ref)
+
+
+def _vertical_first(h, w, height, width):  # Pillow 13.0's rule: the height shrinks by more than twice the width
+    return h - height > 0 and h - height > 2 * (w - width)
+
+
+# (h, w) -> (height, width) where the two pass orders give different bits: each order's side of the rule's edges
+PASS_ORDER_EDGES = [((100, 40), (32, 32)),  # both shrink, the height > 2x as much: vertical first
+                    ((75, 49), (45, 10)),  # the width shrinks more: horizontal first
+                    ((19, 5), (11, 1)),  # h - height == 2 (w - width), a tie: horizontal first
+                    ((20, 5), (11, 1)),  # one past the tie: vertical first
+                    ((10, 10), (12, 60))]  # h - height > 2 (w - width) < 0, the height grows: horizontal first
+
+
+def test_resize_bicubic_pass_order_sweep_matches_pil():
+    # a seeded sweep over sizes 1..120, each axis down- or upscaled, L, RGB and RGBA (premultiplied), bit for bit
+    rng = np.random.default_rng(13)
+    cases = [(src, dst, c) for src, dst in PASS_ORDER_EDGES for c in (1, 3, 4)]
+    for i in range(360):
+        c, h_down, w_down = (1, 3, 4)[i % 3], (i // 3) % 2, (i // 6) % 2
+        h, w = (int(x) for x in rng.integers(2, 121, 2))
+        height = int(rng.integers(1, h)) if h_down else int(rng.integers(h + 1, 121)) if h < 120 else h
+        width = int(rng.integers(1, w)) if w_down else int(rng.integers(w + 1, 121)) if w < 120 else w
+        cases.append(((h, w), (height, width), c))
+    assert sum(_vertical_first(*src, *dst) for src, dst, _ in cases) > 60  # both orders well represented
+    assert sum(not _vertical_first(*src, *dst) for src, dst, _ in cases) > 60
+    for (h, w), (height, width), c in cases:
+        img = random_image(rng, h, w, c)
+        np.testing.assert_array_equal(J.resize_bicubic(img, height, width), pil_resize(img, height, width),
+                                      err_msg=f"{(h, w, c)} -> {(height, width)}")
+    for (h, w), (height, width) in PASS_ORDER_EDGES:  # the other order is off there: the edges pin the rule down
+        img = random_image(rng, h, w, 3)
+        other = (J.resize_bicubic(J.resize_bicubic(img, h, width), height, width) if _vertical_first(h, w, height, width)
+                 else J.resize_bicubic(J.resize_bicubic(img, height, w), height, width))
+        assert not np.array_equal(other, pil_resize(img, height, width)), ((h, w), (height, width))
 
 
 def test_to_rgb_matches_hf_convert_to_rgb():

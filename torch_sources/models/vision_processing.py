@@ -28,7 +28,7 @@ from PIL import Image
 __all__ = [
     "IMAGE_PLACEHOLDER", "VIDEO_PLACEHOLDER", "AUDIO_PLACEHOLDER", "LF_TEMPLATE_TOKENS",
     "OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD", "QwenImageProcessorConfig", "smart_resize",
-    "read_png", "to_rgb", "load_image", "resize_bicubic",
+    "read_png", "to_rgb", "load_image", "resize_bicubic", "resize_bilinear", "resize_pil",
     "rescale", "normalize", "patchify", "process_images",
     "preprocess_image_lf", "expand_image_placeholders",
 ]
@@ -157,11 +157,25 @@ def load_image(path: str | Path) -> np.ndarray:
     return to_rgb(read_png(path))
 
 
+def resize_pil(image: np.ndarray, height: int, width: int, resample: int) -> np.ndarray:
+    """uint8[H,W,C] -> uint8[height,width,C]: PIL's `Image.resize((width, height), resample)`, resample 2
+    (BILINEAR) or 3 (BICUBIC), RGBA premultiplied. The installed Pillow decides the bits: 13.0 resamples vertically
+    first when the height shrinks by more than twice what the width does, <= 12.1 always horizontally first, so
+    the last bit of some pixels is version dependent."""
+    if resample not in (2, 3):
+        raise ValueError(f"resample={resample}: only PIL BILINEAR (2) and BICUBIC (3) are here")
+    return _array(_pil(image).resize((width, height), Image.Resampling(resample)))
+
+
 def resize_bicubic(image: np.ndarray, height: int, width: int) -> np.ndarray:
-    """uint8[H,W,C] -> uint8[height,width,C]: PIL's `Image.resize((width, height), BICUBIC)` (RGBA premultiplied).
-    The installed Pillow decides the bits: 13.0 resamples vertically first when the height shrinks and the width
-    does not, <= 12.1 always horizontally first, so the last bit of some pixels is version dependent."""
-    return _array(_pil(image).resize((width, height), Image.Resampling.BICUBIC))
+    """uint8[H,W,C] -> uint8[height,width,C]: PIL's `Image.resize((width, height), BICUBIC)`."""
+    return resize_pil(image, height, width, 3)
+
+
+def resize_bilinear(image: np.ndarray, height: int, width: int) -> np.ndarray:
+    """uint8[H,W,C] -> uint8[height,width,C]: PIL's `Image.resize((width, height), BILINEAR)`, the resample
+    Gemma3ImageProcessorPil uses."""
+    return resize_pil(image, height, width, 2)
 
 
 def rescale(image: torch.Tensor, scale: float) -> torch.Tensor:
@@ -262,3 +276,4 @@ def expand_image_placeholders(messages: list[dict[str, str]], image_grid_thw: to
             i += 1
         message["content"] = content
     return messages
+
