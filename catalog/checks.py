@@ -73,6 +73,10 @@ _TRAINING_CHECKS = (
     _c("L1", "image_processor", "numeric", "tensor",
        "the image processor's pixel values of every shipped image: bicubic resize, rescale, normalise, temporal "
        "patch, merge-block patch flattening", ALL, ("vision:qwen",)),
+    _c("L1", "tower_pixels", "numeric", "tensor",
+       "a fixed-size tower's processor on every shipped image, regularized by LF's base rule: pixel values (SigLIP "
+       "and Gemma 3 resizes, LLaVA-NeXT's anyres tiles, InternVL's tiles) and the family's extras (image sizes)",
+       ALL, ("vision:tower",)),
     _c("L1", "vision_rope", "numeric", "tensor",
        "the tower's 2-D rope: each patch's (row, column) in merge-block order, cos/sin", ALL, ("vision:qwen",)),
     _c("L1", "mrope", "numeric", "tensor",
@@ -101,6 +105,9 @@ _TRAINING_CHECKS = (
     _c("L2", "vision_tower", "numeric", "tensor",
        "the whole tower on two shipped images' pixel values: merged embeddings (and deepstack features)", ALL,
        ("vision:qwen",)),
+    _c("L2", "image_features", "numeric", "tensor",
+       "a fixed-size tower's image rows (encode_images: the tower at its feature layer, pooling, pixel shuffle or "
+       "anyres unpad with newlines, the projector) on three shipped images' pixel values", ALL, ("vision:tower",)),
     _c("L3", "logits_b1_t7", "numeric", "tensor",
        "full-model logits, batch 1 x 7, no attention mask, also through a tied-embedding copy of the checkpoint"),
     _c("L3", "logits_b2_t16_pad", "numeric", "tensor", "full-model logits, batch 2 x 16, right padding"),

@@ -45,7 +45,7 @@ REWARD_KEY = "L6/heldout_reward"  # PPO: scored by catalog/ppo_eval.py
 _BATCH = re.compile(r"b(\d+)\.(\w+)")
 # what the child's forward takes of a recorded batch (a vision-language batch: positions, pixels, grids too)
 MODEL_FIELDS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw", "input_features",
-                "feature_attention_mask")
+                "feature_attention_mask", "token_type_ids", "image_sizes")
 
 
 class HeldoutError(ValueError):

@@ -114,6 +114,11 @@ def layer_positions(features, positions) -> np.ndarray:
     return np.stack([positions, positions // 2, positions % 3 + positions // 3]).astype(np.int32)
 
 
+# the forward's image keywords beside pixel_values, by family: Qwen-VL's grids, Gemma 3's and PaliGemma's token types,
+# LLaVA-NeXT's image sizes (a recorded batch with images carries those its family takes)
+IMAGE_INPUTS = ("image_grid_thw", "token_type_ids", "image_sizes")
+
+
 def tower_outputs(encoded, to_numpy) -> dict[str, np.ndarray]:
     """A family's encode_images output as the vision_tower check's arrays: {"embeds" f32[n,D]} and, for a tower with
     DeepStack features, {"deepstack" f32[n,K,D]}, whether the family returns the merged patches alone, a
@@ -353,6 +358,9 @@ def _without_tensor(src: Path, dst: Path, name: str) -> None:
             g.write(f.read(end - begin))
 
 
+LLAVA_LAYOUTS = ("gemma3", "paligemma", "llava_next", "internvl")  # model types whose head is language_model.lm_head
+
+
 def tied_checkpoint(ckpt, out) -> Path:
     """`ckpt` as a tied release stores it (Llama 3.2 1B/3B): tie_word_embeddings set, no lm_head.weight,
     so the embedding doubles as the output head. A sharded `ckpt` stays sharded, its index without the head."""
@@ -363,8 +371,9 @@ def tied_checkpoint(ckpt, out) -> Path:
     if "thinker_config" in config:  # Qwen2.5-Omni: the thinker holds the tie and its head
         config, head = {**config, "thinker_config": {**config["thinker_config"], "tie_word_embeddings": True}}, \
             "thinker.lm_head.weight"
-    else:
-        config, head = {**config, "tie_word_embeddings": True}, "lm_head.weight"
+    else:  # a LLaVA-layout release (the fixed-size towers) stores its head under language_model.
+        config = {**config, "tie_word_embeddings": True}
+        head = "language_model.lm_head.weight" if config.get("model_type") in LLAVA_LAYOUTS else "lm_head.weight"
     (out / "config.json").write_text(json.dumps(config))
     index = None if (ckpt / "model.safetensors").is_file() else \
         json.loads((ckpt / "model.safetensors.index.json").read_text())

@@ -77,6 +77,9 @@ class Family(NamedTuple):  # not a dataclass: tests load this file without regis
     pad_token: str | None = None
     unk_token: str | None = None
     chat_template: str | None = None
+    # a vision-language family's processor files beside its tokenizer (file name -> JSON), as a release's model dir
+    # holds them: the training data path reads its image processor there (LLaMA-Factory loads both from one dir)
+    processor: dict | None = None
 
 
 def _family_rows() -> dict[str, Family]:
@@ -157,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
         tok = build_tokenizer([], name, bpe)
         tok.save(str(out / "tokenizer.json"))
         (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(name), indent=2, sort_keys=True) + "\n")
+        for file, content in (FAMILIES[name].processor or {}).items():
+            (out / file).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
         print(f"wrote {out.relative_to(ROOT)} (vocab {tok.get_vocab_size()})")
 
 

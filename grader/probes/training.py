@@ -130,8 +130,10 @@ def n(x):
     return np.asarray(jax.device_get(x))
 
 
-# what a vision-language batch adds (Omni's: LF's fake audio, its log-mel frames and their mask)
-MODEL_FIELDS = ("position_ids", "pixel_values", "image_grid_thw", "input_features", "feature_attention_mask")
+# what a vision-language batch adds (Omni's: LF's fake audio, its log-mel frames and their mask; the towers' token
+# types and image sizes)
+MODEL_FIELDS = ("position_ids", "pixel_values", "image_grid_thw", "input_features", "feature_attention_mask",
+                "token_type_ids", "image_sizes")
 
 
 # ---- L0 spec -----------------------------------------------------------------------------------

@@ -52,9 +52,11 @@ def probe_sequence_logps(ctx, inp):
     model = _model(ctx)
     variables = {"params": model.params, "lora": ctx.lora.lora_tree_from_state_dict(_lora_from_inputs(inp))}
     batch = {k: jnp.asarray(inp[k]) for k in FIELDS}
-    if "position_ids" in inp:  # a vision-language batch: its positions and the frozen tower's image features
+    if "position_ids" in inp:  # a Qwen-VL batch: its M-RoPE positions
         batch["position_ids"] = jnp.asarray(inp["position_ids"])
-        batch.update(_tower_features(ctx, model, inp))
+    if "token_type_ids" in inp:  # Gemma 3's and PaliGemma's: the image blocks' attention
+        batch["token_type_ids"] = jnp.asarray(inp["token_type_ids"])
+    batch.update(_tower_features(ctx, model, inp))  # a vision-language batch: the frozen tower's image features
     out = ctx.workflow.concatenated_forward(model.module, variables, batch)
     ref_chosen, ref_rejected = ctx.workflow.reference_log_probs(model.module, variables, batch)
     return {"chosen_logps": n(out["chosen_logps"]), "rejected_logps": n(out["rejected_logps"]),
@@ -65,7 +67,8 @@ def _tower_features(ctx, model, inp) -> dict:
     """The recorded pixels (and Omni's fake audio) through the candidate's frozen towers, as the forward's keywords."""
     if "pixel_values" not in inp:
         return {}
-    encoded = ctx.sft.encode_images(model, np.asarray(inp["pixel_values"]), np.asarray(inp["image_grid_thw"]))
+    extra = {k: np.asarray(inp[k]) for k in ("image_grid_thw", "image_sizes") if k in inp}
+    encoded = ctx.sft.encode_images(model, np.asarray(inp["pixel_values"]), **extra)
     features = dict(encoded) if isinstance(encoded, dict) else {"image_embeds": encoded}
     if "input_features" in inp:  # Omni: LF's fake audio through the candidate's audio tower
         features["audio_embeds"] = ctx.sft.encode_audio(model, np.asarray(inp["input_features"]),

@@ -26,8 +26,9 @@ LOSS_ARGS = ("old_logprobs", "values", "logits", "vpreds", "logprobs", "mask", "
 # a recorded prompt batch: ids and mask, and a VL batch's M-RoPE positions, rope deltas, pixels and grids (an Omni
 # batch's: LF's fake audio too, input_features and feature_attention_mask)
 PROMPT_FIELDS = ("input_ids", "attention_mask", "position_ids", "rope_deltas", "pixel_values", "image_grid_thw",
-                 "input_features", "feature_attention_mask")
+                 "input_features", "feature_attention_mask", "token_type_ids", "image_sizes")
 _TOKEN = "token_"  # prompt_vision's per-token tower features: token_<forward keyword> f32[B,P,...]
+_TYPES = "token_type_ids"  # prompt_vision's token types (Gemma 3, PaliGemma): not a tower feature
 _AUDIO = "audio_embeds"  # Omni's audio rows (the fake audio's), read at the audio tokens
 
 
@@ -47,7 +48,8 @@ def _prompt_batch(inp, prefix: str = "") -> dict:
 def _prompt_features(ctx, policy, batch: dict) -> dict:
     """The candidate's per-token image features of a VL prompt batch {token_<keyword>: f32[B,P,...]} ({} for text)."""
     vision = ctx.workflow.prompt_vision(policy, batch)
-    return {} if vision is None else {k: np.asarray(v) for k, v in vision.items() if k.startswith(_TOKEN)}
+    return {} if vision is None else {k: np.asarray(v) for k, v in vision.items()
+                                      if k.startswith(_TOKEN) and k != _TYPES}
 
 
 def _text_features(policy, prompt: dict) -> dict:
@@ -211,7 +213,11 @@ def _batch(ctx, policy, inp) -> dict:
     features."""
     batch = {k: jnp.asarray(inp[k]) for k in ("input_ids", "attention_mask", "query_len", "response_len", "scores")}
     if "row_positions" in inp:
-        batch.update(row_positions=jnp.asarray(inp["row_positions"]), **_row_features(ctx, policy, inp))
+        batch["row_positions"] = jnp.asarray(inp["row_positions"])
+    if _TYPES in inp:  # Gemma 3's and PaliGemma's recorded token types
+        batch[_TYPES] = jnp.asarray(inp[_TYPES])
+    if "prompt.pixel_values" in inp:  # a VL batch: the candidate's image features of its prompt batch
+        batch.update(_row_features(ctx, policy, inp))
     return batch
 
 
@@ -297,15 +303,22 @@ def _heldout_forward(ctx, model, variables, inp, i: int, text_apply):
     if f"b{i}.pixel_values" not in inp:
         return lambda a, b, c: n(text_apply(a, b, c))
     batch = _prompt_batch(inp, f"b{i}.")
-    batch["rope_deltas"] = rope_deltas(batch["position_ids"], batch["attention_mask"])[:, None]
+    if "position_ids" in batch:  # Qwen-VL: the prompt's M-RoPE positions and their deltas
+        batch["rope_deltas"] = rope_deltas(batch["position_ids"], batch["attention_mask"])[:, None]
     prompt = _prompt_features(ctx, model, batch)
     text = _text_features(model, prompt)
     B, N = len(batch["input_ids"]), int(inp["gen.max_new_tokens"])
     features = {k: jnp.concatenate([v, jnp.broadcast_to(text[k], (B, N, *text[k].shape))], axis=1)
                 for k, v in prompt.items()}
     config = model.module.config
-    apply = jax.jit(lambda ids, mask, pos, f: model.module.apply(variables, ids, mask, pos,
-                                                                 **_image_inputs(config, ids, f)))
+    if _TYPES in batch:  # Gemma 3, PaliGemma: the prompt's types, its last type over the new tokens; no positions
+        types = jnp.asarray(batch[_TYPES])
+        types = jnp.concatenate([types, jnp.broadcast_to(types[:, -1:], (B, N))], axis=1)
+        apply = jax.jit(lambda ids, mask, pos, f: model.module.apply(
+            variables, ids, mask, token_type_ids=types, **_image_inputs(config, ids, f)))
+    else:
+        apply = jax.jit(lambda ids, mask, pos, f: model.module.apply(
+            variables, ids, mask, position_ids=pos, **_image_inputs(config, ids, f)))
     return lambda a, b, c: n(apply(a, b, c, features))
 
 

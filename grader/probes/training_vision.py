@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from catalog.workloads import tower_outputs
+from catalog.workloads import IMAGE_INPUTS, tower_outputs
 from grader.probes.training import n
 
 
@@ -113,26 +113,51 @@ def probe_vision_tower(ctx, inp):
     return tower_outputs(out, n)
 
 
+def _tower_inputs(ctx, paths) -> dict:
+    """The candidate's bound plugin's pixel values (and image sizes) of the given shipped images."""
+    tm = importlib.import_module("jax_oracles.training.template")
+    mm = importlib.import_module("jax_oracles.training.mm_plugin")
+    template = tm.get_template(ctx.template).bind(ctx.assets["tokenizer"])
+    tokenizer = template.fix_special_tokens(tm.load_tokenizer(ctx.assets["tokenizer"]))
+    images = mm.regularize_images([str(p) for p in paths], ctx.assets["data"], template.mm_plugin)
+    extra = template.mm_plugin.get_mm_inputs(images, [len(images)], [[]], tokenizer)
+    return {k: np.asarray(v) for k, v in extra.items() if k != "token_type_ids"}
+
+
+def probe_tower_pixels(ctx, inp):
+    out = {}
+    for i, path in enumerate(inp["paths"]):
+        out.update({f"{k}.{i}": v for k, v in _tower_inputs(ctx, [str(path)]).items()})
+    return out
+
+
+def probe_image_features(ctx, inp):
+    extra = {k: np.asarray(inp[k]) for k in inp if k != "pixel_values"}
+    rows = ctx.model_class(ctx.config).apply({"params": ctx.params}, jnp.asarray(inp["pixel_values"]),
+                                            method="encode_images", **extra)
+    return {"rows": n(rows)}
+
+
 def _image_batch(inp):
-    return (np.asarray(inp["input_ids"]), np.asarray(inp["attention_mask"]), np.asarray(inp["image_grid_thw"]),
-            jnp.asarray(inp["pixel_values"]))
+    """The recorded batch: ids, mask, pixels and the family's image keywords (grids, token types, image sizes)."""
+    extra = {k: np.asarray(inp[k]) for k in IMAGE_INPUTS if k in inp}
+    return np.asarray(inp["input_ids"]), np.asarray(inp["attention_mask"]), jnp.asarray(inp["pixel_values"]), extra
 
 
 def probe_logits_images(ctx, inp):
-    ids, mask, grid, pixels = _image_batch(inp)
-    logits = ctx.model_class(ctx.config).apply({"params": ctx.params}, ids, mask, pixel_values=pixels,
-                                               image_grid_thw=grid)
+    ids, mask, pixels, extra = _image_batch(inp)
+    logits = ctx.model_class(ctx.config).apply({"params": ctx.params}, ids, mask, pixel_values=pixels, **extra)
     return {"logits": n(logits)}
 
 
 def probe_pixel_grad(ctx, inp):
     loss_mod = importlib.import_module("jax_oracles.training.loss")
-    ids, mask, grid, pixels = _image_batch(inp)
+    ids, mask, pixels, extra = _image_batch(inp)
     labels = np.asarray(inp["labels"])
     model = ctx.model_class(ctx.config)
 
     def loss_fn(pixel_values):
-        logits = model.apply({"params": ctx.params}, ids, mask, pixel_values=pixel_values, image_grid_thw=grid)
+        logits = model.apply({"params": ctx.params}, ids, mask, pixel_values=pixel_values, **extra)
         return loss_mod.causal_lm_loss(logits, jnp.asarray(labels), loss_mod.count_label_tokens(labels))
 
     loss, grad = jax.value_and_grad(loss_fn)(pixels)
@@ -141,4 +166,5 @@ def probe_pixel_grad(ctx, inp):
 
 PROBES = {name: globals()[f"probe_{name}"] for name in (
     "image_regularize", "image_processor", "vision_rope", "mrope", "patch_embed", "vision_windows", "vision_block",
-    "vision_merger", "deepstack", "audio_tower", "vision_tower", "logits_images", "pixel_grad")}
+    "vision_merger", "deepstack", "audio_tower", "vision_tower", "logits_images", "pixel_grad", "tower_pixels",
+    "image_features")}

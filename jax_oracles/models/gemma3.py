@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from jax_oracles.models import rope
 from jax_oracles.models.config_keys import DROPOUT, ConfigError, KeyAudit
-from jax_oracles.models.layers import GatedMLP, apply_rope, eager_attention
+from jax_oracles.models.layers import (GatedMLP, LayerInputs, apply_rope, attend, causal_mask, default_positions,
+                                      eager_attention, rope_cos_sin)
 from jax_oracles.models.qwen2_vl import LanguageModelView, merge_image_embeddings
 from jax_oracles.models.siglip import SiglipVisionConfig, SiglipVisionModel
 from jax_oracles.training.lora import LoraLinear
@@ -28,9 +29,10 @@ from jax_oracles.training.lora import LoraLinear
 AUTO_MODEL = ("gemma3", "Gemma3ForConditionalGeneration")  # HF model_type -> this file's model (models/auto.py finds it here)
 __all__ = [
     "CONFIG_KEYS", "TEXT_KEYS", "Gemma3TextConfig", "Gemma3Config",
-    "gemma_rms_norm", "image_block_ids", "vision_masks", "merge_image_embeddings",
-    "Gemma3RMSNorm", "Gemma3Attention", "Gemma3DecoderLayer", "Gemma3TextModel", "Gemma3MultiModalProjector",
-    "Gemma3Model", "Gemma3ForConditionalGeneration",
+    "gemma_rms_norm", "rms_norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention",
+    "image_block_ids", "vision_masks", "layer_inputs", "merge_image_embeddings",
+    "Gemma3RMSNorm", "Gemma3MLP", "Gemma3Attention", "Gemma3DecoderLayer", "Gemma3TextModel",
+    "Gemma3MultiModalProjector", "Gemma3Model", "Gemma3ForConditionalGeneration",
 ]
 
 # text_config's keys (Gemma3TextConfig's, and what the releases write: the legacy RoPE keys, the pattern).
@@ -164,12 +166,26 @@ class Gemma3Config(LanguageModelView):
         return self.vision.patches_per_side // int(self.mm_tokens_per_image ** 0.5)
 
 
+    @property
+    def sliding_window(self) -> int:
+        return self.text.sliding_window
+
+
 # ---- operators ------------------------------------------------------------------------------
 
 def gemma_rms_norm(x, weight, eps: float):  # x: [..., D]  weight: f32[D] (stored as the offset from 1)
     h = x.astype(jnp.float32)
     h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
     return (h * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+rms_norm = gemma_rms_norm  # the family's norm under the generic name (the checks read `rms_norm`): Gemma's 1 + w
+
+
+def rope_inv_freq(config: Gemma3Config, layer_type: str = "full_attention"):  # -> f32[hd/2]
+    """A layer type's table (models/rope.py); by default the full layers', which the release's rope_theta and
+    rope_scaling describe (the sliding layers': layer_type="sliding_attention", rope_local_base_freq)."""
+    return rope.inv_freq(config.text.layer_rope(layer_type))
 
 
 def image_block_ids(token_type_ids):  # i32[B,T] -> i32[B,T]: k for the k-th run of 1s in the row, -1 elsewhere
@@ -193,6 +209,18 @@ def vision_masks(attention_mask, token_type_ids, sliding_window: int) -> dict:
     return {"full_attention": allowed & keys, "sliding_attention": allowed & window & keys}
 
 
+def layer_inputs(config: Gemma3Config, attention_mask, position_ids=None, *,
+                 token_type_ids=None) -> dict[str, LayerInputs]:
+    """{layer type: LayerInputs} every layer of a forward shares, each layer reading its own type's: that type's mask
+    (vision_masks: with token_type_ids, the image blocks) and its own RoPE cos/sin of the positions (0..T-1 unless
+    given). i32[B,T], i32[B,T] | None, i32[B,T] | None."""
+    if position_ids is None:
+        position_ids = default_positions(attention_mask)
+    masks = vision_masks(attention_mask, token_type_ids, config.text.sliding_window)
+    return {t: LayerInputs(masks[t], *rope.cos_sin(config.text.layer_rope(t), position_ids))
+            for t in dict.fromkeys(config.text.layer_types)}
+
+
 def _embed(table, input_ids, pad_token_id):  # f32[V,D], i32[B,T] -> f32[B,T,D]
     rows = table[input_ids]
     if pad_token_id is None:
@@ -212,12 +240,19 @@ class Gemma3RMSNorm(nn.Module):
         return gemma_rms_norm(x, weight, self.eps)
 
 
+def Gemma3MLP(config: Gemma3TextConfig, lora_scaling: float = 2.0, name: str | None = None) -> GatedMLP:
+    return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_activation,
+                    lora_scaling=lora_scaling, name=name)  # GeGLU (gelu_tanh)
+
+
 class Gemma3Attention(nn.Module):
+    """Layer `layer_idx`'s attention: its layer type picks its mask and RoPE table out of layer_inputs'."""
     config: Gemma3TextConfig
     lora_scaling: float = 2.0
+    layer_idx: int = 0
 
     @nn.compact
-    def __call__(self, x, mask, cos, sin):  # f32[B,T,D], bool[B,T,T], f32[B,T,hd] x2 -> f32[B,T,D]
+    def __call__(self, x, inputs: dict[str, LayerInputs]):  # f32[B,T,D], layer_inputs' -> f32[B,T,D]
         c, (B, T, D) = self.config, x.shape
         linear = lambda f, name: LoraLinear(f, use_bias=c.attention_bias, scaling=self.lora_scaling, name=name)  # noqa: E731
         N, K, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -226,24 +261,23 @@ class Gemma3Attention(nn.Module):
         v = linear(K * hd, "v_proj")(x).reshape(B, T, K, hd)
         q = Gemma3RMSNorm(c.rms_norm_eps, name="q_norm")(q)
         k = Gemma3RMSNorm(c.rms_norm_eps, name="k_norm")(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = eager_attention(q, k, v, mask, c.query_pre_attn_scalar ** -0.5)
-        return linear(D, "o_proj")(out.reshape(B, T, N * hd))
+        out = attend(q, k, v, inputs[c.layer_types[self.layer_idx]], c.query_pre_attn_scalar ** -0.5)
+        return linear(D, "o_proj")(out)
 
 
 class Gemma3DecoderLayer(nn.Module):
     """Sandwich norms: x + post_attn_norm(attn(input_norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x)))."""
     config: Gemma3TextConfig
     lora_scaling: float = 2.0
+    layer_idx: int = 0
 
     @nn.compact
-    def __call__(self, x, mask, cos, sin):
+    def __call__(self, x, inputs: dict[str, LayerInputs]):  # f32[B,T,D], layer_inputs' -> f32[B,T,D]
         c = self.config
         norm = lambda name: Gemma3RMSNorm(c.rms_norm_eps, name=name)  # noqa: E731
-        attn = Gemma3Attention(c, self.lora_scaling, name="self_attn")(norm("input_layernorm")(x), mask, cos, sin)
-        x = x + norm("post_attention_layernorm")(attn)
-        mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_activation, lora_scaling=self.lora_scaling,
-                       name="mlp")
+        attn = Gemma3Attention(c, self.lora_scaling, self.layer_idx, name="self_attn")
+        x = x + norm("post_attention_layernorm")(attn(norm("input_layernorm")(x), inputs))
+        mlp = Gemma3MLP(c, self.lora_scaling, name="mlp")
         return x + norm("post_feedforward_layernorm")(mlp(norm("pre_feedforward_layernorm")(x)))
 
 
@@ -254,18 +288,17 @@ class Gemma3TextModel(nn.Module):
     def setup(self):
         c = self.config
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size)
-        self.layers = [Gemma3DecoderLayer(c, self.lora_scaling, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
+        self.layers = [Gemma3DecoderLayer(c, self.lora_scaling, i, name=f"layers_{i}")
+                       for i in range(c.num_hidden_layers)]
         self.norm = Gemma3RMSNorm(c.rms_norm_eps)
 
     def embed(self, input_ids):  # i32[B,T] -> f32[B,T,D], times sqrt(hidden) as a float32 scalar
         c = self.config
         return _embed(self.embed_tokens.embedding, input_ids, c.pad_token_id) * jnp.float32(c.hidden_size ** 0.5)
 
-    def __call__(self, embeds, masks, position_ids):  # f32[B,T,D], {type: bool[B,T,T]}, i32[B,T] -> f32[B,T,D]
-        c = self.config
-        tables = {t: rope.cos_sin(c.layer_rope(t), position_ids) for t in set(c.layer_types)}
-        for t, layer in zip(c.layer_types, self.layers):
-            embeds = layer(embeds, masks[t], *tables[t])
+    def __call__(self, embeds, inputs: dict[str, LayerInputs]):  # f32[B,T,D], layer_inputs' -> f32[B,T,D]
+        for layer in self.layers:
+            embeds = layer(embeds, inputs)
         return self.norm(embeds)
 
 
@@ -312,9 +345,7 @@ class Gemma3Model(nn.Module):
             image_embeds = self.encode_images(pixel_values)
         if image_embeds is not None:
             embeds = merge_image_embeddings(embeds, input_ids, image_embeds, c.image_token_id, check_count=exact)
-        masks = vision_masks(attention_mask, token_type_ids, c.text.sliding_window)
-        positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1])[None], input_ids.shape)
-        return self.language_model(embeds, masks, positions)
+        return self.language_model(embeds, layer_inputs(c, attention_mask, token_type_ids=token_type_ids))
 
 
 class Gemma3ForConditionalGeneration(nn.Module):

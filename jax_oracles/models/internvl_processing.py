@@ -13,7 +13,7 @@ then every tile rescaled in float64 and cast to float32, normalized in float32. 
 tiles of all images, in order) equal the HF processor's bit for bit; `num_patches` counts each image's tiles.
 
 LLaMA-Factory (src/llamafactory/data/mm_plugin.py, InternVLPlugin): images first pass the base plugin's
-`_preprocess_image` (area over image_max_pixels or under image_min_pixels: `Image.resize` by the square root of the
+`_preprocess_image` (models/vision_processing.py preprocess_image_base: area over image_max_pixels or under image_min_pixels: `Image.resize` by the square root of the
 ratio, sides truncated; `convert("RGB")`), then the image processor is called with crop_to_patches=True,
 max_patches=12, min_patches=1 only when LF's `crop_to_patches` model argument is set (`patch_processor` copies it
 onto the processor; default False), else with the processor's own preprocessor_config settings (InternVL3-1B-hf:
@@ -27,7 +27,6 @@ same input.
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -38,7 +37,7 @@ from jax_oracles.models.vision_processing import (IMAGE_PLACEHOLDER, OPENAI_CLIP
 __all__ = [
     "IMAGENET_MEAN", "IMAGENET_STD", "LF_CROP_KWARGS", "GotOcr2ImageProcessorConfig",
     "supported_aspect_ratios", "optimal_tiled_canvas", "number_of_patches", "crop_image_to_patches",
-    "process_images", "lf_image_processor_kwargs", "preprocess_image_lf", "expand_image_placeholders",
+    "process_images", "lf_image_processor_kwargs", "expand_image_placeholders",
 ]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)  # InternVL3-1B-hf's preprocessor_config.json
@@ -164,22 +163,6 @@ def lf_image_processor_kwargs(crop_to_patches: bool = False) -> dict:
 
 def _convert_rgb_pil(image: np.ndarray) -> np.ndarray:  # PIL's convert("RGB"): L replicated, RGBA's alpha dropped
     return np.repeat(image, 3, axis=-1) if image.shape[-1] == 1 else image[..., :3].copy()
-
-
-def preprocess_image_lf(image: np.ndarray, image_max_pixels: int = 768 * 768,
-                        image_min_pixels: int = 32 * 32) -> np.ndarray:
-    """uint8[H,W,C] -> uint8[H',W',3]: LF's base `_preprocess_image` (InternVLPlugin adds no rule of its own).
-    `Image.resize` with its default filter (BICUBIC), sides truncated by int(); RGBA loses its alpha in
-    convert("RGB") (no compositing, unlike HF's own to_rgb)."""
-    height, width = image.shape[:2]
-    if width * height > image_max_pixels:
-        factor = math.sqrt(image_max_pixels / (width * height))
-        image = resize_bicubic(image, int(height * factor), int(width * factor))
-    height, width = image.shape[:2]
-    if width * height < image_min_pixels:
-        factor = math.sqrt(image_min_pixels / (width * height))
-        image = resize_bicubic(image, int(height * factor), int(width * factor))
-    return _convert_rgb_pil(image)
 
 
 def expand_image_placeholders(messages: list[dict[str, str]], num_patches, image_seq_length: int, *,

@@ -26,7 +26,7 @@ import numpy as np
 from jax_oracles.models import llama3
 from jax_oracles.models.clip import CLIPVisionConfig, CLIPVisionModel
 from jax_oracles.models.config_keys import ConfigError, KeyAudit
-from jax_oracles.models.layers import ACTIVATIONS, LayerInputs, RMSNorm
+from jax_oracles.models.layers import ACTIVATIONS, LayerInputs, RMSNorm, apply_rope, rope_cos_sin
 from jax_oracles.models.llama3 import LlamaConfig, LlamaDecoderLayer
 from jax_oracles.models.llava_next_processing import select_best_resolution, unpadded_grid
 from jax_oracles.models.qwen2_vl import LanguageModelView, merge_image_embeddings
@@ -34,6 +34,7 @@ from jax_oracles.models.qwen2_vl import LanguageModelView, merge_image_embedding
 AUTO_MODEL = ("llava_next", "LlavaNextForConditionalGeneration")  # HF model_type -> this file's model (models/auto.py)
 __all__ = [
     "CONFIG_KEYS", "TEXT_KEYS", "LLAMA_DEFAULTS", "LlavaNextConfig", "read_text_config",
+    "rope_inv_freq", "rope_cos_sin", "apply_rope", "layer_inputs",
     "anyres_grid_shape", "image_num_tiles", "num_image_features", "pack_image_features", "merge_image_embeddings",
     "LlavaNextMultiModalProjector", "LlavaNextTextModel", "LlavaNextModel", "LlavaNextForConditionalGeneration",
 ]
@@ -121,6 +122,17 @@ class LlavaNextConfig(LanguageModelView):
     @classmethod
     def from_pretrained(cls, path) -> "LlavaNextConfig":
         return cls.from_hf(json.loads((Path(path) / "config.json").read_text()))
+
+
+# ---- operators ------------------------------------------------------------------------------
+
+def rope_inv_freq(config: LlavaNextConfig):  # -> f32[hd/2]: the language model's table (models/llama3.py)
+    return llama3.rope_inv_freq(config.text)
+
+
+def layer_inputs(config: LlavaNextConfig, attention_mask, position_ids=None) -> LayerInputs:
+    """Causal + padding mask and Llama's RoPE cos/sin (positions 0..T-1 unless given) every layer shares."""
+    return llama3.layer_inputs(config.text, attention_mask, position_ids)
 
 
 # ---- anyres bookkeeping (host side: a function of image_sizes only) --------------------------
@@ -235,7 +247,7 @@ class LlavaNextModel(nn.Module):
         embeds = self.language_model.embed(input_ids)
         if image_embeds is not None:
             embeds = merge_image_embeddings(embeds, input_ids, image_embeds, c.image_token_id, check_count=exact)
-        return self.language_model(embeds, llama3.layer_inputs(c.text, attention_mask, position_ids))
+        return self.language_model(embeds, layer_inputs(c, attention_mask, position_ids))
 
 
 class LlavaNextForConditionalGeneration(nn.Module):

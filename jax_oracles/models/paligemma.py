@@ -19,8 +19,9 @@ import jax.numpy as jnp
 
 from jax_oracles.models import rope
 from jax_oracles.models.config_keys import DROPOUT, ROPE_KEYS, ConfigError, KeyAudit
-from jax_oracles.models.gemma3 import Gemma3RMSNorm as GemmaRMSNorm, _embed, gemma_rms_norm
-from jax_oracles.models.layers import ACTIVATIONS, GatedMLP, apply_rope, eager_attention
+from jax_oracles.models.gemma3 import Gemma3RMSNorm as GemmaRMSNorm, _embed, gemma_rms_norm, rms_norm
+from jax_oracles.models.layers import (ACTIVATIONS, GatedMLP, LayerInputs, apply_rope, attend, causal_mask,
+                                      eager_attention, rope_cos_sin)
 from jax_oracles.models.qwen2_vl import LanguageModelView, merge_image_embeddings
 from jax_oracles.models.siglip import SiglipVisionConfig, SiglipVisionModel
 from jax_oracles.training.lora import LoraLinear
@@ -28,9 +29,10 @@ from jax_oracles.training.lora import LoraLinear
 AUTO_MODEL = ("paligemma", "PaliGemmaForConditionalGeneration")  # HF model_type -> this file's model (models/auto.py finds it here)
 __all__ = [
     "CONFIG_KEYS", "TEXT_KEYS", "GemmaConfig", "PaliGemmaConfig",
-    "gemma_rms_norm", "prefix_lm_mask", "merge_image_embeddings",
-    "GemmaRMSNorm", "GemmaAttention", "GemmaDecoderLayer", "GemmaTextModel", "PaliGemmaMultiModalProjector",
-    "PaliGemmaModel", "PaliGemmaForConditionalGeneration",
+    "gemma_rms_norm", "rms_norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention",
+    "prefix_lm_mask", "layer_inputs", "merge_image_embeddings",
+    "GemmaRMSNorm", "GemmaMLP", "GemmaAttention", "GemmaDecoderLayer", "GemmaTextModel",
+    "PaliGemmaMultiModalProjector", "PaliGemmaModel", "PaliGemmaForConditionalGeneration",
 ]
 
 TEXT_KEYS = KeyAudit(
@@ -141,22 +143,38 @@ def prefix_lm_mask(attention_mask, token_type_ids):
     return allowed & attention_mask.astype(jnp.bool_)[:, None, :]
 
 
+def rope_inv_freq(config: PaliGemmaConfig):  # -> f32[hd/2]: the table at init (models/rope.py)
+    return rope.inv_freq(config.text.rope)
+
+
+def layer_inputs(config: PaliGemmaConfig, attention_mask, position_ids=None, *, token_type_ids=None) -> LayerInputs:
+    """The mask (prefix_lm_mask: with token_type_ids, the type-0 block) and RoPE cos/sin every layer shares;
+    positions 1..T unless given (PaliGemma numbers from 1). i32[B,T], i32[B,T] | None, i32[B,T] | None."""
+    if position_ids is None:
+        position_ids = jnp.broadcast_to(jnp.arange(1, attention_mask.shape[1] + 1)[None], attention_mask.shape)
+    return LayerInputs(prefix_lm_mask(attention_mask, token_type_ids), *rope.cos_sin(config.text.rope, position_ids))
+
+
 # ---- modules --------------------------------------------------------------------------------
+
+def GemmaMLP(config: GemmaConfig, lora_scaling: float = 2.0, name: str | None = None) -> GatedMLP:
+    return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, lora_scaling=lora_scaling,
+                    name=name)  # GeGLU (gelu_tanh)
+
 
 class GemmaAttention(nn.Module):
     config: GemmaConfig
     lora_scaling: float = 2.0
 
     @nn.compact
-    def __call__(self, x, mask, cos, sin):  # f32[B,T,D], bool[B,T,T], f32[B,T,hd] x2 -> f32[B,T,D]
+    def __call__(self, x, inputs: LayerInputs):  # f32[B,T,D] -> f32[B,T,D]
         c, (B, T, D) = self.config, x.shape
         linear = lambda f, name: LoraLinear(f, use_bias=c.attention_bias, scaling=self.lora_scaling, name=name)  # noqa: E731
         N, K, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         q = linear(N * hd, "q_proj")(x).reshape(B, T, N, hd)
         k = linear(K * hd, "k_proj")(x).reshape(B, T, K, hd)
         v = linear(K * hd, "v_proj")(x).reshape(B, T, K, hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return linear(D, "o_proj")(eager_attention(q, k, v, mask, hd ** -0.5).reshape(B, T, N * hd))
+        return linear(D, "o_proj")(attend(q, k, v, inputs, hd ** -0.5))
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -164,11 +182,11 @@ class GemmaDecoderLayer(nn.Module):
     lora_scaling: float = 2.0
 
     @nn.compact
-    def __call__(self, x, mask, cos, sin):
+    def __call__(self, x, inputs: LayerInputs):  # f32[B,T,D] -> f32[B,T,D]
         c = self.config
         attn_in = GemmaRMSNorm(c.rms_norm_eps, name="input_layernorm")(x)
-        x = x + GemmaAttention(c, self.lora_scaling, name="self_attn")(attn_in, mask, cos, sin)
-        mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, lora_scaling=self.lora_scaling, name="mlp")
+        x = x + GemmaAttention(c, self.lora_scaling, name="self_attn")(attn_in, inputs)
+        mlp = GemmaMLP(c, self.lora_scaling, name="mlp")
         return x + mlp(GemmaRMSNorm(c.rms_norm_eps, name="post_attention_layernorm")(x))
 
 
@@ -186,10 +204,9 @@ class GemmaTextModel(nn.Module):
         c = self.config
         return _embed(self.embed_tokens.embedding, input_ids, c.pad_token_id) * jnp.float32(c.hidden_size ** 0.5)
 
-    def __call__(self, embeds, mask, position_ids):  # f32[B,T,D], bool[B,T,T], i32[B,T] -> f32[B,T,D]
-        cos, sin = rope.cos_sin(self.config.rope, position_ids)
+    def __call__(self, embeds, inputs: LayerInputs):  # f32[B,T,D] -> f32[B,T,D]
         for layer in self.layers:
-            embeds = layer(embeds, mask, cos, sin)
+            embeds = layer(embeds, inputs)
         return self.norm(embeds)
 
 
@@ -230,8 +247,7 @@ class PaliGemmaModel(nn.Module):
             image_embeds = self.encode_images(pixel_values)
         if image_embeds is not None:
             embeds = merge_image_embeddings(embeds, input_ids, image_embeds, c.image_token_id, check_count=exact)
-        positions = jnp.broadcast_to(jnp.arange(1, input_ids.shape[1] + 1)[None], input_ids.shape)
-        return self.language_model(embeds, prefix_lm_mask(attention_mask, token_type_ids), positions)
+        return self.language_model(embeds, layer_inputs(c, attention_mask, token_type_ids=token_type_ids))
 
 
 class PaliGemmaForConditionalGeneration(nn.Module):

@@ -60,19 +60,6 @@ class Qwen2_5VLConfig(LanguageModelView):
     def from_pretrained(cls, path) -> "Qwen2_5VLConfig":
         return cls.from_hf(json.loads((Path(path) / "config.json").read_text()))
 
-    # the language model's attention shape, under the names the paged KV cache reads (serving)
-    @property
-    def num_attention_heads(self) -> int:
-        return self.text.num_attention_heads
-
-    @property
-    def num_key_value_heads(self) -> int:
-        return self.text.num_key_value_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.text.head_dim
-
 
 # ---- operators ------------------------------------------------------------------------------
 

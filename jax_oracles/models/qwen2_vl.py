@@ -123,6 +123,18 @@ class LanguageModelView:
     def norm_eps(self) -> float:
         return self.text.rms_norm_eps
 
+    @property
+    def num_attention_heads(self) -> int:
+        return self.text.num_attention_heads
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.text.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.text.head_dim
+
 
 @dataclass(frozen=True)
 class Qwen2VLConfig(LanguageModelView):

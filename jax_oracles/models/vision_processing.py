@@ -27,7 +27,7 @@ __all__ = [
     "OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD", "QwenImageProcessorConfig", "smart_resize",
     "read_png", "to_rgb", "load_image", "resize_bicubic", "resize_bilinear", "resize_pil",
     "rescale", "normalize", "patchify", "process_images",
-    "preprocess_image_lf", "expand_image_placeholders",
+    "preprocess_image_base", "preprocess_image_lf", "expand_image_placeholders",
 ]
 
 # LLaMA-Factory's placeholders (extras/constants.py; env vars IMAGE_PLACEHOLDER etc. can override them there).
@@ -385,10 +385,10 @@ def _convert_rgb_pil(image: np.ndarray) -> np.ndarray:  # PIL's convert("RGB"): 
     return np.repeat(image, 3, axis=-1) if image.shape[-1] == 1 else image[..., :3].copy()
 
 
-def preprocess_image_lf(image: np.ndarray, image_max_pixels: int = 768 * 768,
-                        image_min_pixels: int = 32 * 32) -> np.ndarray:
-    """uint8[H,W,C] -> uint8[H',W',3]: LF's Qwen2VLPlugin._preprocess_image (after the base plugin's), which runs
-    before the HF processor. `Image.resize` with its default filter (BICUBIC), sizes truncated by int(); RGBA loses
+def preprocess_image_base(image: np.ndarray, image_max_pixels: int = 768 * 768,
+                          image_min_pixels: int = 32 * 32) -> np.ndarray:
+    """uint8[H,W,C] -> uint8[H',W',3]: LF's base plugin `_preprocess_image` (every plugin's, before its own rules
+    and the HF processor). `Image.resize` with its default filter (BICUBIC), sizes truncated by int(); RGBA loses
     its alpha in convert("RGB") (no compositing, unlike HF's own to_rgb)."""
     height, width = _check(image).shape[:2]
     if width * height > image_max_pixels:
@@ -398,9 +398,15 @@ def preprocess_image_lf(image: np.ndarray, image_max_pixels: int = 768 * 768,
     if width * height < image_min_pixels:
         resize_factor = math.sqrt(image_min_pixels / (width * height))
         image = resize_bicubic(image, int(height * resize_factor), int(width * resize_factor))
-        height, width = image.shape[:2]
-    if image.shape[-1] != 3:
-        image = _convert_rgb_pil(image)
+    return _convert_rgb_pil(image) if image.shape[-1] != 3 else image
+
+
+def preprocess_image_lf(image: np.ndarray, image_max_pixels: int = 768 * 768,
+                        image_min_pixels: int = 32 * 32) -> np.ndarray:
+    """uint8[H,W,C] -> uint8[H',W',3]: LF's Qwen2VLPlugin._preprocess_image: the base plugin's
+    (preprocess_image_base), then the Qwen size rules."""
+    image = preprocess_image_base(image, image_max_pixels, image_min_pixels)
+    height, width = image.shape[:2]
     # Qwen2VLPlugin: sides of at least 28, aspect ratio at most 200 (smart_resize refuses more)
     if min(width, height) < 28:
         width, height = max(width, 28), max(height, 28)

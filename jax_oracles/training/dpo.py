@@ -26,13 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .collator import PairwiseDataCollator, collated_positions
+from .collator import PairwiseDataCollator
 from .loss import IGNORE_INDEX
 from .lora import disable_adapter, init_lora_tree, lora_state_dict, lora_tree_from_state_dict
 from .processor import preprocess_pairwise_dataset
-from .sft import (CausalLM, TrainArgs, _embedded, _fake_media_length, _fixed_tokenizer, _lora_optimizer, _pad_rows,
-                  _tower_features, load_model, lora_config, media_dir, multimodal_context, num_training_steps,
-                  step_example_indices)
+from .sft import (CausalLM, TrainArgs, _embedded, _fake_media_length, _fixed_tokenizer, _forward, _lora_optimizer,
+                  _pad_rows, _tower_features, load_model, lora_config, media_dir, multimodal_context,
+                  num_training_steps, step_example_indices)
 
 __all__ = ["DPOArgs", "DPOResult", "METRICS", "load_pairwise_dataset", "make_collator", "get_batch_logps",
            "dpo_loss", "concatenated_forward", "reference_log_probs", "batch_loss_metrics",
@@ -117,14 +117,10 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
 
 def concatenated_forward(module, variables: dict, batch: dict) -> dict:
     """One forward of the 2N collated rows (chosen first) -> chosen/rejected log-probs f32[N], logits
-    f32[N,T,V], and the chosen log-probs per valid token. A vision-language batch brings its M-RoPE positions
-    and the tower's image features; a text batch takes torch's collated positions (its longrope table)."""
-    if "position_ids" in batch:
-        logits = module.apply(variables, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
-                              **_tower_features(batch))
-    else:
-        logits = module.apply(variables, batch["input_ids"], batch["attention_mask"],
-                              collated_positions(batch["attention_mask"]))
+    f32[N,T,V], and the chosen log-probs per valid token. The SFT twin's forward (sft._forward): a Qwen-VL batch
+    brings its M-RoPE positions and the tower's image features, a fixed-size tower's its image features (and Gemma
+    3's and PaliGemma's token types), a text batch takes torch's collated positions (its longrope table)."""
+    logits = _forward(module, variables, batch)
     logits = logits.astype(jnp.float32)
     logps, valid = get_batch_logps(logits, batch["labels"])
     n = logits.shape[0] // 2
@@ -235,6 +231,11 @@ def _pad_pairs(batch: dict, pairs: int, length: int, pad_token_id: int) -> dict[
         for half in (0, 1):
             out["position_ids"][:, half * pairs:half * pairs + n, :t] = np.asarray(batch["position_ids"])[
                 :, half * n:(half + 1) * n]
+    if "token_type_ids" in batch:  # Gemma 3's and PaliGemma's token types follow their rows (pads and fillers 0)
+        out["token_type_ids"] = np.zeros((2 * pairs, length), np.int32)
+        for half in (0, 1):
+            out["token_type_ids"][half * pairs:half * pairs + n, :t] = np.asarray(batch["token_type_ids"])[
+                half * n:(half + 1) * n]
     # image features keep their reading order: filler rows between the halves hold no image token
     out.update({k: _pad_rows(v, 2 * pairs * length) for k, v in _tower_features(batch).items()})
     out["pair_mask"] = (np.arange(pairs) < n).astype(np.float32)
@@ -247,6 +248,8 @@ def _empty_like(batch: dict) -> dict[str, np.ndarray]:
     empty = {k: np.zeros((0, 0), np.int32) for k in _FIELDS}
     if "position_ids" in batch:
         empty["position_ids"] = np.zeros((3, 0, 0), np.int32)
+    if "token_type_ids" in batch:
+        empty["token_type_ids"] = np.zeros((0, 0), np.int32)
     return {**empty, **{k: np.zeros((0, *np.shape(v)[1:]), np.float32) for k, v in _tower_features(batch).items()}}
 
 

@@ -33,9 +33,10 @@ TARGET_ORDER = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "o_
                 "gate_proj", "up_proj", "gate_up_proj", "down_proj", "c_fc", "c_proj", "dense_h_to_4h", "dense_4h_to_h")
 _LAYER = re.compile(r"(.+)_(\d+)")  # a decoder layer's param key: "layers_0", "h_0"
 # LF's forbidden modules of a vision-language model under its defaults (freeze_vision_tower,
-# freeze_multi_modal_projector: `patch_target_modules`): the vision tower with its merger and Omni's audio tower
-# never take adapters, whatever their projections are called (Qwen2.5-VL's tower has a gate_proj too).
-FROZEN_TOWERS = ("visual", "audio_tower")
+# freeze_multi_modal_projector: `patch_target_modules`, COMPOSITE_MODELS' keys): the vision tower with its merger,
+# Omni's audio tower, and the LLaVA-style towers and projectors never take adapters, whatever their projections are
+# called (Qwen2.5-VL's tower has a gate_proj, SigLIP's, CLIP's and InternViT's q/k/v_proj).
+FROZEN_TOWERS = ("visual", "audio_tower", "vision_tower", "multi_modal_projector")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""LLaMA-Factory's multimodal plugins for the Qwen-VL templates (`data/mm_plugin.py`: Qwen2VLPlugin, Qwen3VLPlugin,
-Qwen2OmniPlugin): images, and for Qwen2.5-Omni the audio LF's collator adds. The numpy twin of
+"""LLaMA-Factory's multimodal plugins (`data/mm_plugin.py`) for the Qwen-VL templates (Qwen2VLPlugin, Qwen3VLPlugin,
+Qwen2OmniPlugin: images, and for Qwen2.5-Omni the audio LF's collator adds) and for the fixed-size towers
+(Gemma3Plugin, PaliGemmaPlugin, LlavaNextPlugin, InternVLPlugin: the end of this file). The numpy twin of
 torch_sources/training/mm_plugin.py (images decoded and resized by jax_oracles/models/vision_processing.py, bit-equal
 to PIL's; audio features by jax_oracles/models/audio_processing.py).
 
@@ -27,19 +28,33 @@ length), and LF's collator gives every batch without audio a fake one: np.zeros(
 from __future__ import annotations
 
 import functools
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from jax_oracles.models.audio_processing import WhisperFeatureConfig, frame_mask, pad_waveforms, whisper_features
+from jax_oracles.models.gemma3_processing import Gemma3ImageProcessorConfig
+from jax_oracles.models.gemma3_processing import process_images as gemma3_process_images
+from jax_oracles.models.internvl_processing import GotOcr2ImageProcessorConfig
+from jax_oracles.models.internvl_processing import expand_image_placeholders as internvl_expand
+from jax_oracles.models.internvl_processing import process_images as internvl_process_images
+from jax_oracles.models.llava_next_processing import LlavaNextImageProcessorConfig
+from jax_oracles.models.llava_next_processing import expand_image_placeholders as llava_next_expand
+from jax_oracles.models.llava_next_processing import process_images as llava_next_process_images
+from jax_oracles.models.siglip_processing import SiglipImageProcessorConfig
+from jax_oracles.models.siglip_processing import process_images as siglip_process_images
 from jax_oracles.models.vision_processing import (AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER,
                                                  QwenImageProcessorConfig, expand_image_placeholders,
-                                                 preprocess_image_lf, process_images, read_png)
+                                                 preprocess_image_base, preprocess_image_lf, process_images,
+                                                 read_png)
 
 __all__ = ["IGNORE_INDEX", "MMPlugin", "find_medias", "preprocess_image", "regularize_images", "get_mm_inputs",
            "get_audio_inputs", "audio_token_counts", "process_messages", "fake_image", "fake_image_input_ids",
-           "fake_audio", "fake_audio_input_ids", "fake_input_ids", "fake_audio_inputs", "add_fake_image"]
+           "fake_audio", "fake_audio_input_ids", "fake_input_ids", "fake_audio_inputs", "add_fake_image",
+           "read_processor_files", "TowerPlugin", "Gemma3Plugin", "PaliGemmaPlugin", "LlavaNextPlugin",
+           "InternVLPlugin"]
 
 IGNORE_INDEX = -100  # LF's extras/constants.py (processor.IGNORE_INDEX; imported from there it would make a cycle)
 NO_IMAGE_SUPPORT = "This model does not support image input. Please check whether the correct `template` is used."
@@ -78,8 +93,11 @@ def find_medias(paths: list[str], media_dir) -> list[str]:
     return [os.path.join(media_dir, p) if os.path.isfile(os.path.join(media_dir, p)) else p for p in paths]
 
 
-def preprocess_image(image: np.ndarray, plugin: MMPlugin) -> np.ndarray:
-    """uint8[H,W,C] -> uint8[H',W',3]: Qwen2VLPlugin._preprocess_image at the plugin's pixel bounds."""
+def preprocess_image(image: np.ndarray, plugin) -> np.ndarray:
+    """uint8[H,W,C] -> uint8[H',W',3]: the plugin's _preprocess_image at its pixel bounds (Qwen2VLPlugin's rules
+    after the base plugin's; a tower plugin's base rule alone)."""
+    if isinstance(plugin, TowerPlugin):
+        return plugin.preprocess_image(image)
     return preprocess_image_lf(image, plugin.image_max_pixels, plugin.image_min_pixels)
 
 
@@ -150,6 +168,8 @@ def process_messages(messages: list[dict], images: list[np.ndarray], plugin: MMP
     _validate_input(images, list(audios), plugin)
     if plugin is None:
         return messages
+    if isinstance(plugin, TowerPlugin):
+        return plugin.process_messages(messages, images)
     _validate_messages(messages, len(images), len(audios))
     # an audio span holds no `<image>`: expanding the audios first leaves LF's image expansion as it is
     messages = _expand_audio_placeholders(messages, list(audios), plugin)
@@ -169,7 +189,8 @@ def fake_image_input_ids(tokenizer, plugin: MMPlugin) -> list[int]:
     (vision_bos, image_token * n, vision_eos: n = 4 for Qwen2-VL's processor, 64 for Qwen3-VL's)."""
     messages = process_messages([{"role": "user", "content": IMAGE_PLACEHOLDER}],
                                 [preprocess_image(fake_image(), plugin)], plugin)
-    return tokenizer.encode(messages[0]["content"])
+    ids = tokenizer.encode(messages[0]["content"])
+    return plugin.process_token_ids(ids, None, 1, tokenizer)[0] if isinstance(plugin, TowerPlugin) else ids
 
 
 def fake_audio() -> np.ndarray:  # -> f64[1600]
@@ -211,3 +232,169 @@ def add_fake_image(features: list[dict], fake_ids: list[int], padding_side: str 
         if key in row:
             row[key] = list(row[key]) + piece if padding_side == "right" else piece + list(row[key])
     return [row, *features[1:]]
+
+
+# ---- the plugins of the fixed-size towers (Gemma 3, PaliGemma, LLaVA-NeXT, InternVL) ---------------------------
+# Their image processor is the checkpoint's own (LF loads it from the model dir with the tokenizer): a template
+# names the plugin, `bind(processor_dir)` reads preprocessor_config.json and processor_config.json from the
+# tokenizer's dir. Images reach them regularized by LF's base rule (preprocess_image_base) only.
+
+def read_processor_files(processor_dir) -> tuple[dict, dict]:
+    """(preprocessor_config.json, processor_config.json) of a processor dir; a missing file refuses, since a
+    tower's image size and token count live there."""
+    out = []
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        path = os.path.join(str(processor_dir), name)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: a vision-language template's processor files sit beside its tokenizer")
+        with open(path) as f:
+            out.append(json.load(f))
+    return out[0], out[1]
+
+
+@dataclass(frozen=True)
+class TowerPlugin:
+    """LF's plugin for a fixed-size tower, bound to its processor (`bind`); the methods are LF's, images given
+    regularized (preprocess_image_base) and in order."""
+
+    name: str
+    image_token: str
+    image_max_pixels: int = 768 * 768  # ModelArguments' defaults, copied onto the processor by patch_processor
+    image_min_pixels: int = 32 * 32
+    image_processor: object | None = None  # the bound processor's image processor config
+    image_seq_length: int = 0  # processor_config.json's (tokens per image or per tile)
+    processor_config: dict | None = None
+    audio_token = None  # no audio: LF adds no fake audio
+
+    def bind(self, processor_dir) -> "TowerPlugin":
+        pre, proc = read_processor_files(processor_dir)
+        return replace(self, image_processor=self.read_image_processor(pre), processor_config=proc,
+                       image_seq_length=int(proc.get("image_seq_length", 0)))
+
+    def read_image_processor(self, d: dict):
+        raise NotImplementedError
+
+    def _bound(self):
+        if self.image_processor is None:
+            raise ValueError(f"the {self.name} plugin has no processor: Template.bind(processor_dir) first")
+
+    def preprocess_image(self, image: np.ndarray) -> np.ndarray:
+        return preprocess_image_base(image, self.image_max_pixels, self.image_min_pixels)
+
+    def process_messages(self, messages: list[dict], images: list[np.ndarray]) -> list[dict]:
+        _validate_messages(messages, len(images), 0)
+        return messages
+
+    def process_token_ids(self, input_ids: list[int], labels: list[int] | None, num_images: int,
+                          tokenizer) -> tuple[list[int], list[int] | None]:
+        return input_ids, labels
+
+    def get_mm_inputs(self, images: list[np.ndarray], imglens: list[int], batch_ids: list[list[int]],
+                      tokenizer) -> dict:
+        """The collated batch's image inputs: pixel values and the family's extras (token_type_ids as unpadded
+        lists, padded by the collator as LF's tokenizer.pad does)."""
+        raise NotImplementedError
+
+
+def _replace_placeholders(messages: list[dict], expansions) -> list[dict]:
+    """Each `<image>`, counted over every message, -> the next string of expansions."""
+    expansions, out = iter(expansions), []
+    for message in messages:
+        content = message["content"]
+        while IMAGE_PLACEHOLDER in content:
+            content = content.replace(IMAGE_PLACEHOLDER, next(expansions), 1)
+        out.append({**message, "content": content})
+    return out
+
+
+@dataclass(frozen=True)
+class Gemma3Plugin(TowerPlugin):
+    """LF's Gemma3Plugin (pan-and-scan off): `<image>` -> the processor's full_image_sequence
+    ("\\n\\n" + boi + image_token * image_seq_length + eoi + "\\n\\n"); token_type_ids 1 at the image tokens."""
+
+    boi_token: str = "<start_of_image>"
+    eoi_token: str = "<end_of_image>"
+
+    def read_image_processor(self, d: dict):
+        return Gemma3ImageProcessorConfig.from_hf(d)
+
+    def process_messages(self, messages, images):
+        self._bound()
+        _validate_messages(messages, len(images), 0)
+        sequence = f"\n\n{self.boi_token}{self.image_token * self.image_seq_length}{self.eoi_token}\n\n"
+        return _replace_placeholders(messages, [sequence] * len(images))
+
+    def get_mm_inputs(self, images, imglens, batch_ids, tokenizer):
+        self._bound()
+        image_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        return {"pixel_values": gemma3_process_images(images, self.image_processor),
+                "token_type_ids": [[int(i == image_id) for i in ids] for ids in batch_ids]}
+
+
+@dataclass(frozen=True)
+class PaliGemmaPlugin(TowerPlugin):
+    """LF's PaliGemmaPlugin: `<image>` removed from the text, image_seq_length image tokens per image put before
+    everything (bos included, labels IGNORE_INDEX); token_type_ids 0 over the first image_seq_length * images
+    positions of each row, 1 after (LF counts them from the row's start, the fake image's row too)."""
+
+    def read_image_processor(self, d: dict):
+        return SiglipImageProcessorConfig.from_hf(d)
+
+    def process_messages(self, messages, images):
+        self._bound()
+        _validate_messages(messages, len(images), 0)
+        return _replace_placeholders(messages, [""] * len(images))
+
+    def process_token_ids(self, input_ids, labels, num_images, tokenizer):
+        n = num_images * self.image_seq_length
+        input_ids = [tokenizer.convert_tokens_to_ids(self.image_token)] * n + list(input_ids)
+        return input_ids, (None if labels is None else [IGNORE_INDEX] * n + list(labels))
+
+    def get_mm_inputs(self, images, imglens, batch_ids, tokenizer):
+        self._bound()
+        types = [[0] * (k * self.image_seq_length) + [1] * (len(ids) - k * self.image_seq_length)
+                 for k, ids in zip(imglens, batch_ids)]
+        return {"pixel_values": siglip_process_images(images, self.image_processor), "token_type_ids": types}
+
+
+@dataclass(frozen=True)
+class LlavaNextPlugin(TowerPlugin):
+    """LF's LlavaNextPlugin: `<image>` -> image_token * the image's feature count (anyres grid, unpadded, one
+    newline per row, the base tile; minus 1 under the "default" strategy); pixel_values [I, tiles, C, h, w] and
+    image_sizes."""
+
+    def read_image_processor(self, d: dict):
+        return LlavaNextImageProcessorConfig.from_hf(d)
+
+    def process_messages(self, messages, images):
+        self._bound()
+        _validate_messages(messages, len(images), 0)
+        sizes = [image.shape[:2] for image in images]
+        return llava_next_expand(messages, sizes, self.image_processor, int(self.processor_config["patch_size"]),
+                                 image_token=self.image_token,
+                                 num_additional_image_tokens=int(self.processor_config.get("num_additional_image_tokens", 1)))
+
+    def get_mm_inputs(self, images, imglens, batch_ids, tokenizer):
+        self._bound()
+        pixel_values, image_sizes = llava_next_process_images(images, self.image_processor)
+        return {"pixel_values": pixel_values, "image_sizes": image_sizes}
+
+
+@dataclass(frozen=True)
+class InternVLPlugin(TowerPlugin):
+    """LF's InternVLPlugin (its crop_to_patches model argument off: the processor's own tiling): `<image>` ->
+    `<img>` + `<IMG_CONTEXT>` * image_seq_length * the image's tiles + `</img>`; pixel_values [tiles, C, h, w]."""
+
+    def read_image_processor(self, d: dict):
+        return GotOcr2ImageProcessorConfig.from_hf(d)
+
+    def process_messages(self, messages, images):
+        self._bound()
+        _validate_messages(messages, len(images), 0)
+        _, num_patches = internvl_process_images(images, self.image_processor) if images else (None, [])
+        return internvl_expand(messages, [int(n) for n in num_patches], self.image_seq_length)
+
+    def get_mm_inputs(self, images, imglens, batch_ids, tokenizer):
+        self._bound()
+        pixel_values, _ = internvl_process_images(images, self.image_processor)
+        return {"pixel_values": pixel_values}

@@ -23,7 +23,12 @@ query's, then text continuing: the rope index of query + response) and the per-t
 row, so the step's mini-batch permutations take them along. The reward model scores the ids as before. Qwen2.5-Omni's
 thinker: LF's fake audio in every prompt batch goes through the frozen audio tower outside the jit too (sft.
 encode_audio) and travels per token (token_audio_embeds, read at the audio tokens); the prompt's rope deltas are
-taken against the text positions, and a sampled video token is text (the torch twin's docstring).
+taken against the text positions, and a sampled video token is text (the torch twin's docstring). The fixed-size
+towers (gemma3, paligemma, llava_next, internvl): their rows (sft.encode_images, one compile per image shape, or
+per LLaVA-NeXT image size) travel per token the same way, with no M-RoPE: generation at text positions, Gemma 3's
+and PaliGemma's token types [B,P] on the buffer (new tokens the prompt's last type) and no positions (their
+forwards take none: the torch twin's docstring); the rollout batch carries their token_type_ids i32[B,W] (the
+query's, then that type over the response, pads 0) and no positions (TRL's forward: the model's own).
 """
 
 from __future__ import annotations
@@ -195,16 +200,17 @@ class CausalLMWithValueHead:
     module: object
     params: dict
 
-    def apply(self, lora, v_head, input_ids, attention_mask, position_ids=None, **image_features):
-        return _forward(self.module, self.params, lora, v_head, input_ids, attention_mask, position_ids,
-                        **image_features)
+    def apply(self, lora, v_head, input_ids, attention_mask, position_ids=None, **inputs):
+        return _forward(self.module, self.params, lora, v_head, input_ids, attention_mask, position_ids, **inputs)
 
 
-def _forward(module, params, lora, v_head, input_ids, attention_mask, position_ids=None, **image_features):
-    """image_features: a VL model's tower keywords (sft.IMAGE_FEATURES, Omni's sft.AUDIO_FEATURES), indexed by token."""
+def _forward(module, params, lora, v_head, input_ids, attention_mask, position_ids=None, **inputs):
+    """inputs: a VL model's keywords (the tower's sft.IMAGE_FEATURES, Omni's sft.AUDIO_FEATURES, indexed by token;
+    Gemma 3's and PaliGemma's token_type_ids). position_ids only when given: Gemma 3's and PaliGemma's forwards
+    take none (their own 0..T-1 / 1..T)."""
     variables = {"params": params} if lora is None else {"params": params, "lora": lora}
-    logits, hidden = module.apply(variables, input_ids, attention_mask, position_ids, return_hidden=True,
-                                  **image_features)
+    positions = {} if position_ids is None else {"position_ids": position_ids}
+    logits, hidden = module.apply(variables, input_ids, attention_mask, return_hidden=True, **positions, **inputs)
     return logits.astype(jnp.float32), value_head(hidden, v_head["summary"]["weight"], v_head["summary"]["bias"])
 
 
@@ -304,10 +310,11 @@ def prompt_vision(policy: CausalLMWithValueHead, batch: dict) -> dict | None:
     text. An Omni batch (LF's fake audio) adds the audio tower's rows at its (masked) audio tokens
     (token_audio_embeds, encode_audio outside the jit) and takes its rope deltas against the text positions: the
     largest position + 1 - the attended tokens (LF's Omni branch hands them against the absolute column, at LF's
-    width; the torch twin's _text_deltas)."""
+    width; the torch twin's _text_deltas). A fixed-size tower's batch (no grids) has no M-RoPE: {token_image_embeds,
+    and Gemma 3's and PaliGemma's token_type_ids i32[B,P] (the collator's, left-padded with 0)}."""
     if "pixel_values" not in batch:
         return None
-    features = encode_images(policy, batch["pixel_values"], batch["image_grid_thw"])
+    features = encode_images(policy, batch["pixel_values"], batch.get("image_grid_thw"), batch.get("image_sizes"))
     if "input_features" in batch:
         features["audio_embeds"] = encode_audio(policy, batch["input_features"], batch["feature_attention_mask"])
     ids = np.asarray(batch["input_ids"])
@@ -315,6 +322,9 @@ def prompt_vision(policy: CausalLMWithValueHead, batch: dict) -> dict | None:
     for k, rows in features.items():
         per_token[_TOKEN + k] = np.zeros((*ids.shape, *rows.shape[1:]), np.float32)
         per_token[_TOKEN + k][ids == _feature_token(policy.module.config, k)] = rows
+    if "image_grid_thw" not in batch:  # a fixed-size tower: text positions
+        types = {"token_type_ids": np.asarray(batch["token_type_ids"], np.int32)} if "token_type_ids" in batch else {}
+        return {**per_token, **types}
     positions = np.asarray(batch["position_ids"], np.int32)
     if "input_features" in batch:
         deltas = positions.max(axis=(0, 2)) + 1 - np.asarray(batch["attention_mask"]).sum(-1)
@@ -336,15 +346,24 @@ def _generate(module, args, eos_token_ids, pad_token_id, params, lora, input_ids
         text = _text_features(module, params, features)
         features = {k: jnp.concatenate([v, jnp.broadcast_to(text[k], (B, N, *text[k].shape))], axis=1)
                     for k, v in features.items()}
+        if "token_type_ids" in vision:  # Gemma 3, PaliGemma: new tokens take the prompt's last type (HF's rule)
+            types = vision["token_type_ids"]
+            types = jnp.concatenate([types, jnp.broadcast_to(types[:, -1:], (B, N))], axis=1)
 
     def forward(ids, mask):
+        text_positions = jnp.where(mask == 0, 1, jnp.cumsum(mask, axis=-1) - 1)
         if vision is None:
-            position_ids = jnp.where(mask == 0, 1, jnp.cumsum(mask, axis=-1) - 1)
-            return module.apply(variables, ids, mask, position_ids)
-        decode = jnp.where(mask == 0, 0, jnp.cumsum(mask, axis=-1) - 1) + vision["rope_deltas"][:, None]
-        position_ids = jnp.concatenate([jnp.transpose(vision["positions"], (1, 0, 2)),
-                                        jnp.broadcast_to(decode[None, :, P:], (3, B, N))], axis=2)
-        return module.apply(variables, ids, mask, position_ids, **_image_inputs(module, ids, features))
+            return module.apply(variables, ids, mask, position_ids=text_positions)
+        inputs = _image_inputs(module, ids, features)
+        if "positions" in vision:
+            decode = jnp.where(mask == 0, 0, jnp.cumsum(mask, axis=-1) - 1) + vision["rope_deltas"][:, None]
+            inputs["position_ids"] = jnp.concatenate([jnp.transpose(vision["positions"], (1, 0, 2)),
+                                                      jnp.broadcast_to(decode[None, :, P:], (3, B, N))], axis=2)
+        elif "token_type_ids" in vision:  # their forwards take no positions (the torch twin's _tower_inputs)
+            inputs["token_type_ids"] = types
+        else:
+            inputs["position_ids"] = text_positions
+        return module.apply(variables, ids, mask, **inputs)
 
     def body(carry, t):
         ids, mask, finished = carry
@@ -389,7 +408,9 @@ def generate(policy: CausalLMWithValueHead, lora, input_ids, attention_mask, noi
              eos_token_ids, pad_token_id: int, vision: dict | None = None):
     """HF generate (do_sample, the exponential race over noise f32[B, N, V]) from left-padded prompts i32[B,P]
     -> i32[B, max_new_tokens], pad after a row's eos; positions are the mask cumsum - 1 (1 on pads). vision
-    (prompt_vision's): the prompt's image embeddings and M-RoPE positions, new tokens at text position + delta."""
+    (prompt_vision's): the prompt's image embeddings and M-RoPE positions, new tokens at text position + delta; a
+    fixed-size tower's image rows at text positions, Gemma 3's and PaliGemma's token types (new tokens the prompt's
+    last type; no positions: the torch twin's _tower_inputs)."""
     fn = _generate_fn(policy.module, args, tuple(int(e) for e in eos_token_ids), int(pad_token_id))
     return fn(policy.params, lora, jnp.asarray(input_ids, jnp.int32), jnp.asarray(attention_mask, jnp.int32),
               jnp.asarray(noise), None if vision is None else {k: jnp.asarray(v) for k, v in vision.items()})
@@ -428,24 +449,33 @@ def _model_inputs(query_ids, start, query_len, response_ids, response_len, pad_t
 
 
 def _vision_inputs(vision, start, query_len, response_len, width: int, text_features: dict):
-    """A VL rollout batch's per-row inputs of query + response [B, width]: row_positions i32[B,3,W] (the query's
-    prompt positions, then text: column j at j + delta; pads 0) and the per-token image features f32[B,W,...]
-    (the query's; the image-pad token's text features past it)."""
-    P = vision["positions"].shape[2]
+    """A VL rollout batch's per-row inputs of query + response [B, width]: the per-token image features
+    f32[B,W,...] (the query's; the image-pad token's text features past it), Qwen-VL's row_positions i32[B,3,W]
+    (the query's prompt positions, then text: column j at j + delta; pads 0), Gemma 3's and PaliGemma's
+    token_type_ids i32[B,W] (the query's, then its last type over the response; pads 0)."""
     j = jnp.arange(width)[None]
-    src = jnp.clip(start[:, None] + j, 0, P - 1)
     in_query, in_row = j < query_len[:, None], j < (query_len + response_len)[:, None]
-    query_positions = jnp.take_along_axis(vision["positions"], src[:, None, :], axis=2)
-    text = jnp.where(in_row, j + vision["rope_deltas"][:, None], 0)
-    positions = jnp.where(in_query[:, None], query_positions, text[:, None])
+
+    def from_query(v):  # [B,P,...] -> [B,W,...]: the query's columns (start + j), clipped past the prompt
+        src = jnp.clip(start[:, None] + j, 0, v.shape[1] - 1)
+        return jnp.take_along_axis(v, src.reshape(*src.shape, *(1,) * (v.ndim - 2)), axis=1)
 
     def per_token(v, text_feature):  # f32[B,P,...] -> f32[B,W,...]
         trailing = (1,) * (v.ndim - 2)  # the feature's own axes, broadcast
-        query = jnp.take_along_axis(v, src.reshape(*src.shape, *trailing), axis=1)
-        return jnp.where(in_query.reshape(*in_query.shape, *trailing), query, text_feature)
+        return jnp.where(in_query.reshape(*in_query.shape, *trailing), from_query(v), text_feature)
 
-    return {"row_positions": positions.astype(jnp.int32),
-            **{_TOKEN + k: per_token(v, text_features[k]) for k, v in _token_features(vision).items()}}
+    out = {_TOKEN + k: per_token(v, text_features[k]) for k, v in _token_features(vision).items()}
+    if "positions" in vision:
+        P = vision["positions"].shape[2]
+        src = jnp.clip(start[:, None] + j, 0, P - 1)
+        query_positions = jnp.take_along_axis(vision["positions"], src[:, None, :], axis=2)
+        text = jnp.where(in_row, j + vision["rope_deltas"][:, None], 0)
+        out["row_positions"] = jnp.where(in_query[:, None], query_positions, text[:, None]).astype(jnp.int32)
+    if "token_type_ids" in vision:
+        types = vision["token_type_ids"]
+        out["token_type_ids"] = jnp.where(in_query, from_query(types),
+                                          jnp.where(in_row, types[:, -1:], 0)).astype(jnp.int32)
+    return out
 
 
 def prepare_model_inputs(queries, responses, pad_token_id: int, width: int | None = None) -> dict[str, np.ndarray]:
@@ -496,11 +526,15 @@ def batched_forward_pass(policy: CausalLMWithValueHead, lora, v_head, model_inpu
     """(logprobs f32[B,W-1], logits f32[B,W-1,V] or None, values f32[B,W-1], masks f32[B,W-1]) of right-padded
     inputs; lora None = the reference (adapter disabled)."""
     ids, mask = model_inputs["input_ids"], model_inputs["attention_mask"]
-    if "row_positions" in model_inputs:  # a VL batch: its M-RoPE positions and image features
-        logits, values = policy.apply(lora, v_head, ids, mask, jnp.transpose(model_inputs["row_positions"], (1, 0, 2)),
-                                      **_image_inputs(policy.module, ids, _token_features(model_inputs)))
-    else:
-        logits, values = policy.apply(lora, v_head, ids, mask, model_inputs.get("position_ids"))
+    # a VL batch: its image features, Qwen-VL's M-RoPE positions, Gemma 3's and PaliGemma's token types
+    inputs = _image_inputs(policy.module, ids, _token_features(model_inputs))
+    if "row_positions" in model_inputs:
+        inputs["position_ids"] = jnp.transpose(model_inputs["row_positions"], (1, 0, 2))
+    elif "position_ids" in model_inputs:
+        inputs["position_ids"] = model_inputs["position_ids"]
+    if "token_type_ids" in model_inputs:
+        inputs["token_type_ids"] = model_inputs["token_type_ids"]
+    logits, values = policy.apply(lora, v_head, ids, mask, **inputs)
     logprobs = logprobs_from_logits(logits[:, :-1], ids[:, 1:])
     return (logprobs, logits[:, :-1] if return_logits else None, values[:, :-1],
             _response_masks(mask, query_len, response_len))
@@ -615,7 +649,7 @@ def _step_batch(policy, args, lora, v_head, batch, kl_coef):
     """The no-grad half of the step on a rollout batch {input_ids, attention_mask, query_len, response_len,
     scores} -> every per-token tensor TRL keeps. Every forward of the step (here and in the mini-batches)
     sees torch's positions: its rows are right-padded to the longest of the whole batch."""
-    if "row_positions" not in batch:  # a VL batch brings its M-RoPE positions
+    if not _token_features(batch):  # a VL batch brings its M-RoPE positions, or a fixed-size tower runs at its own
         batch = {**batch, "position_ids": padded_positions(batch["attention_mask"],
                                                            jnp.max(batch["query_len"] + batch["response_len"]))}
     logprobs, _, values, masks = batched_forward_pass(policy, lora, v_head, batch, batch["query_len"],

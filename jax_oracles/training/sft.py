@@ -91,7 +91,9 @@ def lora_config(args: TrainArgs) -> LoraConfig:
 
 
 def _fixed_tokenizer(tokenizer_dir, args: TrainArgs):
-    template = get_template(args.template)
+    """LF's load_tokenizer + get_template_and_fix_tokenizer: the template (a tower plugin bound to the processor
+    files beside the tokenizer, as LF loads the processor from the model dir) and the fixed tokenizer."""
+    template = get_template(args.template).bind(tokenizer_dir)
     return template, template.fix_special_tokens(load_tokenizer(tokenizer_dir))
 
 
@@ -131,12 +133,13 @@ def make_collator(args: TrainArgs, tokenizer_dir=None, pad_to_length: int | None
 
 
 MODEL_INPUTS = {"position_ids": np.int32, "pixel_values": np.float32, "image_grid_thw": np.int64,
-                "input_features": np.float32, "feature_attention_mask": np.int32}
+                "input_features": np.float32, "feature_attention_mask": np.int32,
+                "token_type_ids": np.int32, "image_sizes": np.int64}  # the last two: the towers' plugins
 
 
 def model_inputs(batch: dict) -> dict[str, np.ndarray]:
-    """What a vision-language collator adds for the forward (M-RoPE positions, pixels, grids, and Omni's audio
-    features with their frame mask); {} for text."""
+    """What a vision-language collator adds for the forward (M-RoPE positions, pixels, grids, Omni's audio
+    features with their frame mask, Gemma's token types, LLaVA-NeXT's image sizes: host data); {} for text."""
     return {k: np.asarray(batch[k], dtype) for k, dtype in MODEL_INPUTS.items() if k in batch}
 
 
@@ -175,14 +178,18 @@ def _label_count(labels):  # i32[..., T] -> f32 scalar: labelled positions befor
 
 
 def _forward(module, variables, batch):
-    """The family's logits on a padded batch: a vision-language batch brings its M-RoPE positions and the tower's
-    image features (computed outside the step: the tower is frozen); a text batch takes torch's collated
-    positions (its longrope table)."""
+    """The family's logits on a padded batch: a Qwen-VL batch brings its M-RoPE positions and the tower's image
+    features (computed outside the step: the tower is frozen); a fixed-size tower's batch (image features, no
+    positions) runs at the model's own positions (0..T-1, PaliGemma's 1..T, as LF's forward), with Gemma 3's and
+    PaliGemma's token types; a text batch takes torch's collated positions (its longrope table)."""
     if "position_ids" in batch:
-        return module.apply(variables, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
+        return module.apply(variables, batch["input_ids"], batch["attention_mask"],
+                            position_ids=batch["position_ids"], **_tower_features(batch))
+    if _image_features(batch):
+        return module.apply(variables, batch["input_ids"], batch["attention_mask"], **_token_types(batch),
                             **_tower_features(batch))
     return module.apply(variables, batch["input_ids"], batch["attention_mask"],
-                        collated_positions(batch["attention_mask"]))
+                        position_ids=collated_positions(batch["attention_mask"]))
 
 
 def loads_processor(batch: dict) -> bool:
@@ -269,6 +276,12 @@ def _tower_features(batch: dict) -> dict:
     return {k: batch[k] for k in IMAGE_FEATURES + AUDIO_FEATURES if k in batch}
 
 
+def _token_types(batch: dict) -> dict:
+    """Gemma 3's and PaliGemma's token_type_ids i32[B,T] (their masks' image blocks / prefix), as a keyword; {}
+    for every other family."""
+    return {"token_type_ids": batch["token_type_ids"]} if "token_type_ids" in batch else {}
+
+
 def _as_features(encoded) -> dict:
     """A family's encode_images output as forward keywords: its dict (Qwen3-VL), or the merged patches alone."""
     return dict(encoded) if isinstance(encoded, dict) else {"image_embeds": encoded}
@@ -280,10 +293,28 @@ def _encode_fn(module, grid: tuple[int, int, int]):
         module.apply({"params": params}, pixels, np.array([grid]), method="encode_images")))
 
 
-def encode_images(model: "CausalLM", pixel_values, image_grid_thw) -> dict[str, np.ndarray]:
-    """f32[P, C*T*ps*ps], i64[I,3] -> the frozen tower's output as forward keywords ({image_embeds f32[n,D]}, and
-    deepstack_embeds f32[n,K,D] for Qwen3-VL) of a batch's images, one image at a time (a compile per image grid,
-    reused across batches), in the batch's order."""
+@functools.lru_cache(maxsize=None)
+def _encode_tower_fn(module, image_size: tuple[int, int] | None):
+    """A fixed-size tower's encode_images on one image (Gemma 3, PaliGemma; InternVL's tile), or on one LLaVA-NeXT
+    image's tile stack at its (static) image size."""
+    if image_size is None:
+        return jax.jit(lambda params, pixels: module.apply({"params": params}, pixels, method="encode_images"))
+    return jax.jit(lambda params, pixels: module.apply({"params": params}, pixels, np.array([image_size]),
+                                                       method="encode_images"))
+
+
+def encode_images(model: "CausalLM", pixel_values, image_grid_thw=None, image_sizes=None) -> dict[str, np.ndarray]:
+    """The frozen tower's output as forward keywords, one image at a time (reused compiles across batches), in
+    the batch's order. Qwen-VL: f32[P, C*T*ps*ps], i64[I,3] -> {image_embeds f32[n,D]} (and deepstack_embeds
+    f32[n,K,D] for Qwen3-VL), a compile per image grid. A fixed-size tower (no grids): f32[N,C,S,S] images
+    (InternVL's tiles) -> {image_embeds f32[n,D]}, one compile; LLaVA-NeXT's f32[I,tiles,C,S,S] with image_sizes
+    i64[I,2], a compile per image size."""
+    if image_grid_thw is None:
+        sizes = ([None] * len(pixel_values) if image_sizes is None
+                 else [tuple(size) for size in np.asarray(image_sizes).tolist()])
+        out = [_encode_tower_fn(model.module, size)(model.params, np.asarray(pixel_values[i:i + 1], np.float32))
+               for i, size in enumerate(sizes)]
+        return {"image_embeds": np.concatenate([np.asarray(o) for o in jax.device_get(out)])}
     out, start = [], 0
     for grid in np.asarray(image_grid_thw).tolist():
         n = int(np.prod(grid))
@@ -312,13 +343,13 @@ def encode_audio(model: "CausalLM", input_features, feature_attention_mask) -> n
 
 def _embedded(model: "CausalLM", batch: dict) -> dict:
     """A collated vision-language batch with its media through the frozen towers (the image features, and Omni's
-    audio_embeds, instead of pixel_values, grids, input_features, the frame mask and rope deltas: what the jitted
-    step takes); a text batch as it is."""
+    audio_embeds, instead of pixel_values, grids or image sizes, input_features, the frame mask and rope deltas:
+    what the jitted step takes; Gemma 3's and PaliGemma's token_type_ids stay); a text batch as it is."""
     if not loads_processor(batch):
         return batch
-    media = ("pixel_values", "image_grid_thw", "rope_deltas", "input_features", "feature_attention_mask")
+    media = ("pixel_values", "image_grid_thw", "image_sizes", "rope_deltas", "input_features", "feature_attention_mask")
     out = {**{k: v for k, v in batch.items() if k not in media},
-           **encode_images(model, batch["pixel_values"], batch["image_grid_thw"])}
+           **encode_images(model, batch["pixel_values"], batch.get("image_grid_thw"), batch.get("image_sizes"))}
     if "input_features" in batch:
         out["audio_embeds"] = encode_audio(model, batch["input_features"], batch["feature_attention_mask"])
     return out
@@ -335,8 +366,9 @@ def _pad_rows(x, rows: int) -> np.ndarray:
 
 def _pad_batch(batch: dict, rows: int, length: int, pad_token_id: int) -> dict[str, np.ndarray]:
     """Right-pad a collated batch to [rows, length]. Pad columns of real rows are masked; filler
-    rows get a full mask (no empty softmax row) and no labels. M-RoPE positions pad with 0, image features (and
-    audio rows) with zero rows up to rows * length (the most image or audio tokens the batch can hold)."""
+    rows get a full mask (no empty softmax row) and no labels. M-RoPE positions and token types pad with 0, image
+    features (and audio rows) with zero rows up to rows * length (the most image or audio tokens the batch can
+    hold)."""
     n, t = np.shape(batch["input_ids"])
     ids = np.full((rows, length), pad_token_id, np.int32)
     mask = np.ones((rows, length), np.int32)
@@ -347,6 +379,9 @@ def _pad_batch(batch: dict, rows: int, length: int, pad_token_id: int) -> dict[s
     if "position_ids" in batch:
         out["position_ids"] = np.zeros((3, rows, length), np.int32)
         out["position_ids"][:, :n, :t] = batch["position_ids"]
+    if "token_type_ids" in batch:
+        out["token_type_ids"] = np.zeros((rows, length), np.int32)
+        out["token_type_ids"][:n, :t] = batch["token_type_ids"]
     return {**out, **{k: _pad_rows(v, rows * length) for k, v in _tower_features(batch).items()}}
 
 
@@ -355,6 +390,8 @@ def _filler(like: dict) -> dict[str, np.ndarray]:
     empty = {k: np.zeros((0, 0), np.int32) for k in ("input_ids", "attention_mask", "labels")}
     if "position_ids" in like:
         empty["position_ids"] = np.zeros((3, 0, 0), np.int32)
+    if "token_type_ids" in like:
+        empty["token_type_ids"] = np.zeros((0, 0), np.int32)
     return {**empty, **{k: np.zeros((0, *np.shape(v)[1:]), np.float32) for k, v in _tower_features(like).items()}}
 
 

@@ -31,7 +31,7 @@ from tokenizers import Tokenizer
 from jax_oracles.models.audio_processing import WhisperFeatureConfig
 from jax_oracles.models.vision_processing import QwenImageProcessorConfig
 
-from .mm_plugin import MMPlugin
+from .mm_plugin import Gemma3Plugin, InternVLPlugin, LlavaNextPlugin, MMPlugin, PaliGemmaPlugin, TowerPlugin
 
 __all__ = ["ChatTokenizer", "load_tokenizer", "BOS_TOKEN", "EOS_TOKEN", "Template", "Llama2Template",
            "ReasoningTemplate", "TEMPLATES", "register_template", "get_template", "alpaca_to_messages"]
@@ -139,7 +139,14 @@ class Template:
     replace_eos: bool = False
     enable_thinking: bool | None = True  # DataArguments.enable_thinking's default; LF copies it in
     preserve_thinking: bool = False  # DataArguments.preserve_thinking's default
-    mm_plugin: MMPlugin | None = None  # LF's get_mm_plugin(...) of a vision-language template (None: LF's base)
+    mm_plugin: MMPlugin | TowerPlugin | None = None  # LF's get_mm_plugin(...) of a VL template (None: LF's base)
+
+    def bind(self, processor_dir) -> "Template":
+        """The template with its tower plugin bound to the processor files of processor_dir (other templates are
+        returned as they are)."""
+        if isinstance(self.mm_plugin, TowerPlugin):
+            return replace(self, mm_plugin=self.mm_plugin.bind(processor_dir))
+        return self
 
     def fix_special_tokens(self, tokenizer: ChatTokenizer) -> ChatTokenizer:
         """Template.fix_special_tokens: eos := first stop word (replace_eos); an eos-less tokenizer gets
@@ -367,6 +374,48 @@ register_template(
                        image_processor=QwenImageProcessorConfig.qwen2_vl(),
                        feature_extractor=WhisperFeatureConfig.qwen2_omni()),
     **_QWEN_SLOTS,
+)
+
+
+# LF's templates of the fixed-size towers (issue 34), each with its plugin (bound to the checkpoint's processor files
+# by Template.bind)
+register_template(
+    "gemma3",
+    format_user=("<start_of_turn>user\n{{content}}<end_of_turn>\n<start_of_turn>model\n",),
+    format_assistant=("{{content}}<end_of_turn>\n",),
+    format_system=("{{content}}\n\n",),
+    format_prefix=(BOS_TOKEN,),
+    stop_words=("<end_of_turn>",),
+    replace_eos=True,
+    mm_plugin=Gemma3Plugin("gemma3", image_token="<image_soft_token>"),
+    template_class=Llama2Template,
+)
+
+register_template(
+    "paligemma",
+    format_user=("{{content}}\n",),
+    format_prefix=(BOS_TOKEN,),
+    mm_plugin=PaliGemmaPlugin("paligemma", image_token="<image>"),
+    template_class=Llama2Template,
+)
+
+register_template(
+    "llava_next",
+    format_user=("USER: {{content}} ASSISTANT:",),
+    default_system=("A chat between a curious user and an artificial intelligence assistant. "
+                    "The assistant gives helpful, detailed, and polite answers to the user's questions."),
+    mm_plugin=LlavaNextPlugin("llava_next", image_token="<image>"),
+)
+
+register_template(
+    "intern_vl",
+    format_user=("<|im_start|>user\n{{content}}<|im_end|>\n<|im_start|>assistant\n",),
+    format_assistant=("{{content}}<|im_end|>\n",),
+    format_system=("<|im_start|>system\n{{content}}<|im_end|>\n",),
+    format_prefix=(BOS_TOKEN,),
+    default_system="你是书生·万象，英文名是InternVL，是由上海人工智能实验室、清华大学及多家合作单位联合开发的多模态大语言模型。",
+    stop_words=("<|im_end|>",),
+    mm_plugin=InternVLPlugin("intern_vl", image_token="<image>"),
 )
 
 

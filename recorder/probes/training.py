@@ -397,7 +397,7 @@ def _step_batches(ctx, steps: int, **options):
 # and grids besides the ids; its rope deltas are for decoding only)
 BATCH_FIELDS = {"input_ids": np.int32, "attention_mask": np.int32, "labels": np.int32, "position_ids": np.int32,
                 "pixel_values": np.float32, "image_grid_thw": np.int64, "input_features": np.float32,
-                "feature_attention_mask": np.int64}
+                "feature_attention_mask": np.int64, "token_type_ids": np.int32, "image_sizes": np.int64}
 
 
 def batch_arrays(batch: dict) -> dict[str, np.ndarray]:

@@ -155,7 +155,7 @@ def _heldout_batches(ctx, rope_index=None) -> list[dict[str, np.ndarray]]:
     evaluation collates them (to a multiple of 8; text rows padded with 0, whose id no log-prob reads; a
     vision-language task's with its images and M-RoPE positions, as train_dpo's evaluation does)."""
     held_out, size = _pairs(ctx, "eval"), ctx.args.per_device_eval_batch_size
-    collate = ctx.workflow.make_collator(ctx.args) if rope_index is None else _collator(ctx, rope_index)
+    collate = _collator(ctx, rope_index) if "data:images" in ctx.features else ctx.workflow.make_collator(ctx.args)
     return [batch_arrays(collate(held_out[s:s + size])) for s in range(0, len(held_out), size)]
 
 

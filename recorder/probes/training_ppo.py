@@ -113,8 +113,8 @@ def _rollout_inputs(ctx, queries, responses, vision=None) -> dict[str, np.ndarra
     """Right-padded query + response rows (a VL batch: and their M-RoPE row_positions; its per-token image features
     stay out, the candidate computes them) and the lengths."""
     inputs = ctx.workflow.prepare_model_inputs(queries, responses, _gen_ids(ctx)[1], vision)
-    return {**{k: n(inputs[k]).astype(np.int32) for k in ("input_ids", "attention_mask", "row_positions")
-               if k in inputs},
+    return {**{k: n(inputs[k]).astype(np.int32) for k in ("input_ids", "attention_mask", "row_positions",
+                                                          "token_type_ids") if k in inputs},
             "query_len": np.array([len(q) for q in queries], np.int32),
             "response_len": np.array([len(x) for x in responses], np.int32)}
 
@@ -364,6 +364,7 @@ def _heldout_batches(ctx) -> list[dict]:
 
 
 _TOKEN = "token_"  # prompt_vision's per-token tower features: token_<forward keyword> f32[B,P,...]
+_TYPES = "token_type_ids"  # prompt_vision's token types (Gemma 3, PaliGemma): not a tower feature
 _AUDIO = "audio_embeds"  # Omni's audio rows (the fake audio's), read at the audio tokens
 
 
@@ -389,7 +390,10 @@ def _forward(ctx, model, batch: dict):
     embedded as text, and for Omni a sampled video token as text (video_tokens_as_text)."""
     lm = model.pretrained_model
     vision = ctx.workflow.prompt_vision(model, batch)
-    prompt = {} if vision is None else {k: v for k, v in vision.items() if k.startswith(_TOKEN)}
+    prompt = {} if vision is None else {k: v for k, v in vision.items() if k.startswith(_TOKEN) and k != _TYPES}
+    # Gemma 3's and PaliGemma's token types: the prompt's, then its last type over the new tokens (their forwards
+    # take no positions); the other families take decode's positions
+    types = None if vision is None else vision.get(_TYPES)
     text = _text_features(lm, prompt) if prompt else {}
     omni = {"video_tokens_as_text": True} if _TOKEN + _AUDIO in prompt else {}
 
@@ -398,8 +402,12 @@ def _forward(ctx, model, batch: dict):
         new = ids.shape[1] - batch["input_ids"].shape[1]
         features = {k[len(_TOKEN):]: torch.cat([v, text[k].expand(len(ids), new, *text[k].shape)], dim=1)[
             ids == _feature_token(lm.config, k[len(_TOKEN):])] for k, v in prompt.items()}
+        if types is None:
+            extra = {"position_ids": t(pos).long()}
+        else:
+            extra = {_TYPES: torch.cat([types, types[:, -1:].expand(-1, new)], dim=1)}
         with torch.no_grad():
-            return n(lm(ids, t(mask).long(), t(pos).long(), **features, **omni))
+            return n(lm(ids, t(mask).long(), **extra, **features, **omni))
     return forward, vision
 
 
@@ -407,7 +415,7 @@ def _decode_positions(batch: dict, vision):
     """A VL batch's prompt positions for ppo_eval.decode (None for text), after checking that ppo_eval's rope
     deltas, derived from them, are the ones the workflow's generation continues (prompt_vision's: the collator's
     for Qwen2-VL / Qwen3-VL, an Omni prompt's taken against its text positions)."""
-    if vision is None:
+    if vision is None or "position_ids" not in vision:  # text, or a fixed-size tower: decode's text positions
         return None
     positions, mask = n(batch["position_ids"]), n(batch["attention_mask"])
     if not np.array_equal(rope_deltas(positions, mask), n(vision["rope_deltas"]).reshape(-1)):

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from catalog.provenance import ROOT
-from catalog.workloads import tower_outputs
+from catalog.workloads import IMAGE_INPUTS, tower_outputs
 from recorder.probes.training import n, rng_for, t
 
 # two images of different shapes (their merge blocks cross both axes), then a third in a second row
@@ -190,21 +190,102 @@ def probe_vision_tower(ctx):
     return {"pixel_values": n(pixels), "image_grid_thw": n(grid)}, out
 
 
+IMAGE_BATCH_TEXT = [(5, 6), (3, 2, 4)]  # text runs of each row; an image between consecutive runs
+
+
+def _bound_template(ctx):
+    """The task's template, its tower plugin bound to the processor files beside the tokenizer, and the fixed
+    tokenizer (the training workflow's _fixed_tokenizer)."""
+    tm = importlib.import_module("torch_sources.training.template")
+    template = tm.get_template(ctx.cfg.family.template).bind(ROOT / ctx.cfg.family.tokenizer)
+    return template, template.fix_special_tokens(tm.load_tokenizer(ROOT / ctx.cfg.family.tokenizer))
+
+
+def _tower_image_batch(ctx, images) -> dict:
+    """A fixed-size tower's batch: text runs with each image's tokens (the plugin's `<image>` expansion, encoded)
+    between them, the plugin's token ids applied (PaliGemma's image tokens before the row), right-padded; the
+    plugin's pixel values and extras (token types padded with 0, image sizes)."""
+    template, tokenizer = _bound_template(ctx)
+    plugin, r, mm = template.mm_plugin, rng_for("image_batch"), _mm_plugin(ctx)
+    first_special = min(tokenizer.backend.get_added_tokens_decoder())  # text ids stay below every special one
+    rows, k = [], 0
+    for runs in IMAGE_BATCH_TEXT:
+        row = []
+        for j, run in enumerate(runs):
+            if j:
+                expanded = plugin.process_messages([{"role": "user", "content": mm.IMAGE_PLACEHOLDER}], [images[k]])
+                row += tokenizer.encode(expanded[0]["content"])
+                k += 1
+            row += [int(x) for x in r.integers(0, first_special, run)]
+        rows.append(plugin.process_token_ids(row, None, len(runs) - 1, tokenizer)[0])
+    extra = plugin.get_mm_inputs(images, [len(runs) - 1 for runs in IMAGE_BATCH_TEXT], rows, tokenizer)
+    T = max(map(len, rows)) + 2
+    ids, mask = np.zeros((len(rows), T), np.int64), np.zeros((len(rows), T), np.int64)
+    for b, row in enumerate(rows):
+        ids[b, :len(row)], mask[b, :len(row)] = row, 1
+    out = {"input_ids": ids, "attention_mask": mask, "pixel_values": n(extra["pixel_values"])}
+    if "token_type_ids" in extra:
+        out["token_type_ids"] = np.zeros_like(ids)
+        for b, types in enumerate(extra["token_type_ids"]):
+            out["token_type_ids"][b, :len(types)] = types
+    if "image_sizes" in extra:
+        out["image_sizes"] = n(extra["image_sizes"])
+    return out
+
+
 def image_batch(ctx):
     """A batch with images, built from the shipped images: row 0 holds one, row 1 two (with text between), row 0
-    right-padded; pixels and grids as the processor gives them; labels on the text tokens only."""
-    _, (pixels, grid) = _processed_images(ctx, shipped_images(ROOT / ctx.cfg.data.dir)[:3])
-    ids, mask = _rows_with_images(ctx, "image_batch", n(grid), [(5, 6), (3, 2, 4)])
+    right-padded; pixels (and grids, token types or image sizes, by family) as the processor and plugin give them;
+    labels on the text tokens only."""
+    names = shipped_images(ROOT / ctx.cfg.data.dir)[:3]
+    if isinstance(_plugin(ctx), _mm_plugin(ctx).TowerPlugin):
+        images = _mm_plugin(ctx).regularize_images(list(names), ROOT / ctx.cfg.data.dir, _bound_template(ctx)[0].mm_plugin)
+        batch = _tower_image_batch(ctx, images)
+    else:
+        _, (pixels, grid) = _processed_images(ctx, names)
+        ids, mask = _rows_with_images(ctx, "image_batch", n(grid), IMAGE_BATCH_TEXT)
+        batch = {"input_ids": ids, "attention_mask": mask, "pixel_values": n(pixels), "image_grid_thw": n(grid)}
+    ids, mask = batch["input_ids"], batch["attention_mask"]
     labels = np.where((mask == 1) & (ids != ctx.config.image_token_id), ids, -100)
-    return {"input_ids": ids, "attention_mask": mask, "pixel_values": n(pixels), "image_grid_thw": n(grid)}, labels
+    return batch, labels
+
+
+def _tower_inputs(ctx, names) -> dict:
+    """The bound plugin's pixel values (and image sizes) of the named shipped images, regularized by its rule."""
+    template, tokenizer = _bound_template(ctx)
+    images = _mm_plugin(ctx).regularize_images(list(names), ROOT / ctx.cfg.data.dir, template.mm_plugin)
+    extra = template.mm_plugin.get_mm_inputs(images, [len(images)], [[]], tokenizer)
+    return {k: n(v) for k, v in extra.items() if k != "token_type_ids"}
+
+
+def probe_tower_pixels(ctx):
+    """The processor's pixel values (and extras) of every shipped image, one image at a time."""
+    names = shipped_images(ROOT / ctx.cfg.data.dir)
+    out = {}
+    for i, name in enumerate(names):
+        out.update({f"{k}.{i}": v for k, v in _tower_inputs(ctx, [name]).items()})
+    return {"paths": np.array(names)}, out
+
+
+def probe_image_features(ctx):
+    """encode_images on three shipped images' pixel values (with LLaVA-NeXT's image sizes)."""
+    inputs = _tower_inputs(ctx, shipped_images(ROOT / ctx.cfg.data.dir)[:3])
+    with torch.no_grad():
+        rows = ctx.model.encode_images(t(inputs["pixel_values"]),
+                                       **{k: t(v) for k, v in inputs.items() if k != "pixel_values"})
+    return inputs, {"rows": n(rows)}
+
+
+def _image_inputs(batch: dict) -> dict:
+    return {k: t(batch[k]) for k in IMAGE_INPUTS if k in batch}
 
 
 def probe_logits_images(ctx):
-    """Full-model logits of the batch with images, positions from the model's own rope index."""
+    """Full-model logits of the batch with images (Qwen-VL: positions from the model's own rope index)."""
     batch, _ = image_batch(ctx)
     with torch.no_grad():
         logits = ctx.model(t(batch["input_ids"]), t(batch["attention_mask"]), pixel_values=t(batch["pixel_values"]),
-                           image_grid_thw=t(batch["image_grid_thw"]))
+                           **_image_inputs(batch))
     return batch, {"logits": n(logits)}
 
 
@@ -214,8 +295,7 @@ def probe_pixel_grad(ctx):
     loss_mod = importlib.import_module("torch_sources.training.loss")
     batch, labels = image_batch(ctx)
     pixels = t(batch["pixel_values"]).clone().requires_grad_(True)
-    logits = ctx.model(t(batch["input_ids"]), t(batch["attention_mask"]), pixel_values=pixels,
-                       image_grid_thw=t(batch["image_grid_thw"]))
+    logits = ctx.model(t(batch["input_ids"]), t(batch["attention_mask"]), pixel_values=pixels, **_image_inputs(batch))
     loss = loss_mod.causal_lm_loss(logits, t(labels), loss_mod.count_label_tokens(labels))
     (grad,) = torch.autograd.grad(loss, pixels)
     return {**batch, "labels": labels}, {"loss": np.float32(loss.item()), "grad": n(grad)}
@@ -223,4 +303,5 @@ def probe_pixel_grad(ctx):
 
 PROBES = {name: globals()[f"probe_{name}"] for name in (
     "image_regularize", "image_processor", "vision_rope", "mrope", "patch_embed", "vision_windows", "vision_block",
-    "vision_merger", "deepstack", "audio_tower", "vision_tower", "logits_images", "pixel_grad")}
+    "vision_merger", "deepstack", "audio_tower", "vision_tower", "logits_images", "pixel_grad", "tower_pixels",
+    "image_features")}

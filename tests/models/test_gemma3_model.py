@@ -311,7 +311,7 @@ def test_processor_matches_transformers(size):
 
 
 def test_checkpoint_is_reproducible(tmp_path):
-    code = ("import sys; sys.path.insert(0, 'tools'); from vl_checkpoints_gemma3 import make_gemma3; "
+    code = ("import sys; sys.path.insert(0, 'tools'); from checkpoints_gemma3 import make_gemma3; "
             f"make_gemma3({str(tmp_path)!r})")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
     for name in ("config.json", "generation_config.json", "model.safetensors"):

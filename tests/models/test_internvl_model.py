@@ -30,6 +30,8 @@ from torch_sources.models import intern_vit as tv  # noqa: E402
 from torch_sources.models import internvl as tq  # noqa: E402
 from torch_sources.models import internvl_processing as tp  # noqa: E402
 from torch_sources.models.config_keys import ConfigError  # noqa: E402
+from jax_oracles.models import vision_processing as jvp  # noqa: E402
+from torch_sources.models import vision_processing as tvp  # noqa: E402
 from torch_sources.models.vision_processing import read_png  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -293,8 +295,8 @@ def test_transformers_saved_checkpoint_loads(models, tmp_path):
         out = tmp_path / f"saved-{original}"
         hf.save_pretrained(out, save_original_format=original)
         again = tq.InternVLForConditionalGeneration.from_pretrained(out)
-        assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
-        assert again.config == src.config  # untied: the stored head differs from the embedding
+        assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False  # as shipped
+        assert again.config == src.config
         for (n, a), (_, b) in zip(src.state_dict().items(), again.state_dict().items()):
             assert torch.equal(a, b), n
         assert conv.load_config(out) == conv.load_config(CKPT)
@@ -303,17 +305,19 @@ def test_transformers_saved_checkpoint_loads(models, tmp_path):
 
 
 def test_both_config_forms_read_the_same(tmp_path):
-    """The release's form (the shipped file: text_config.rope_theta, InternViT's original vision keys, no top-level
-    tie) and what transformers 5's save_pretrained writes (rope_parameters, layer_types, the top-level tie)."""
+    """The release's form (the shipped file: text_config.rope_theta, InternViT's original vision keys; its untied
+    head also said at the top level, which the release leaves to its stored head: tests/models/test_internvl_model.py
+    test_the_tie) and what transformers 5's save_pretrained writes (rope_parameters, layer_types)."""
     from transformers import InternVLConfig
     release = json.loads((CKPT / "config.json").read_text())
     InternVLConfig(**release).save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert "rope_parameters" in saved["text_config"] and "layer_types" in saved["text_config"]
-    assert saved["tie_word_embeddings"] is True  # the default, written beside the untied head it keeps
+    assert saved["tie_word_embeddings"] is False
     for side in (tq, jq):
         assert side.InternVLConfig.from_hf(saved) == side.InternVLConfig.from_hf(release)
-    assert conv.load_config(CKPT) == jq.InternVLConfig.from_hf(release).untied()
+        assert not side.InternVLConfig.from_hf(release).tie_word_embeddings
+    assert conv.load_config(CKPT) == jq.InternVLConfig.from_hf(release)
     c = tq.InternVLConfig.from_hf(release)
     assert (c.image_token_id, c.tokens_per_tile, c.text.rope.theta, c.vision.patch_size) == (IMG, 4, 1e6, (8, 8))
 
@@ -394,7 +398,7 @@ def test_audits_cover_transformers(audit, cls_name):
 
 
 def test_checkpoint_is_reproducible(tmp_path):
-    code = ("import sys; sys.path.insert(0, 'tools'); from vl_checkpoints_internvl import make_internvl; "
+    code = ("import sys; sys.path.insert(0, 'tools'); from checkpoints_internvl import make_internvl; "
             f"make_internvl({str(tmp_path)!r})")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
     for name in ("config.json", "model.safetensors"):
@@ -480,7 +484,7 @@ def test_lf_plugin_helpers():
     for path in IMAGES:
         image = read_png(path)
         for limits in ((768 * 768, 32 * 32), (100 ** 2, 60 * 60), (30 * 30, 28 * 28)):  # up- and downscales
-            np.testing.assert_array_equal(tp.preprocess_image_lf(image, *limits), jp.preprocess_image_lf(image, *limits))
+            np.testing.assert_array_equal(tvp.preprocess_image_base(image, *limits), jvp.preprocess_image_base(image, *limits))
     messages = [{"role": "user", "content": "<image>a<image>"}, {"role": "assistant", "content": "b"}]
     for side in (tp, jp):
         out = side.expand_image_placeholders(messages, [2, 1], 4)

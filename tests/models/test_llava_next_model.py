@@ -470,7 +470,7 @@ def test_processed_images_through_both_models(models):
 
 
 def test_checkpoint_is_reproducible(tmp_path):
-    code = ("import sys; sys.path.insert(0, 'tools'); from vl_checkpoints_llava_next import make_llava_next; "
+    code = ("import sys; sys.path.insert(0, 'tools'); from checkpoints_llava_next import make_llava_next; "
             f"make_llava_next({str(tmp_path)!r})")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
     for name in ("config.json", "generation_config.json", "model.safetensors"):

@@ -228,9 +228,13 @@ TORCH_CLASSES = {"llama3": "llama3.LlamaForCausalLM", "llama3-reward": "llama3.L
                  "qwen2_vl": "qwen2_vl.Qwen2VLForConditionalGeneration",
                  "qwen3_vl": "qwen3_vl.Qwen3VLForConditionalGeneration",
                  "qwen2_omni": "qwen2_omni.Qwen2OmniThinkerForConditionalGeneration",
-                 "qwen2_5_vl": "qwen2_5_vl.Qwen2_5VLForConditionalGeneration"}
+                 "qwen2_5_vl": "qwen2_5_vl.Qwen2_5VLForConditionalGeneration",
+                 "gemma3": "gemma3.Gemma3ForConditionalGeneration",
+                 "paligemma": "paligemma.PaliGemmaForConditionalGeneration",
+                 "llava_next": "llava_next.LlavaNextForConditionalGeneration",
+                 "internvl": "internvl.InternVLForConditionalGeneration"}
 SEQ = 300  # past every sliding window (128, 256)
-VL_FAMILIES = ("qwen2_vl", "qwen3_vl", "qwen2_omni", "qwen2_5_vl")  # transformers loads them as image-text-to-text models (text-only logits here)
+VL_FAMILIES = ("qwen2_vl", "qwen3_vl", "qwen2_omni", "qwen2_5_vl", "gemma3", "paligemma", "llava_next", "internvl")  # transformers loads them as image-text-to-text models (text-only logits here)
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TOKENIZERS = ROOT / "assets" / "tokenizer"
 # every family with a tokenizer (tools/checkpoints_<family>.py writes it)
 FAMILIES = ("llama3", "bloom", "falcon", "mistral", "qwen2", "qwen3", "phi4", "starcoder2",
-            "qwen2_vl", "qwen2_omni", "qwen3_vl", "qwen2_5_vl")
+            "qwen2_vl", "qwen2_omni", "qwen3_vl", "qwen2_5_vl", "gemma3", "paligemma", "llava_next", "internvl")
 TEMPLATE_MODULES = [t_template, j_template]
 MODULES = [(t_template, t_processor), (j_template, j_processor)]
 
@@ -139,6 +139,10 @@ RAW = {
     "qwen2_omni": (None, "<|im_end|>", "<|endoftext|>"),  # Qwen2.5-Omni-7B's
     "qwen3_vl": (None, "<|im_end|>", "<|endoftext|>"),  # Qwen3-VL-2B-Instruct's
     "qwen2_5_vl": (None, "<|im_end|>", "<|endoftext|>"),  # Qwen2.5-VL-7B-Instruct's
+    "gemma3": ("<bos>", "<eos>", "<pad>"),  # gemma-3-4b-it's
+    "paligemma": ("<bos>", "<eos>", "<pad>"),  # paligemma-3b-pt-224's
+    "llava_next": ("<s>", "</s>", "<unk>"),  # llava-v1.6-vicuna-7b-hf's
+    "internvl": (None, "<|im_end|>", "<|endoftext|>"),  # InternVL3-1B-hf's
 }
 SPECIAL_IDS = {
     "bloom": {"<unk>": 400, "<s>": 401, "</s>": 402, "<pad>": 403},
@@ -158,6 +162,13 @@ SPECIAL_IDS = {
                  "<|vision_end|>": 410, "<|image_pad|>": 412, "<|video_pad|>": 413, "<think>": 424, "</think>": 425},
     "qwen2_5_vl": {"<|endoftext|>": 400, "<|im_start|>": 401, "<|im_end|>": 402, "<|vision_start|>": 409,
                    "<|vision_end|>": 410, "<|image_pad|>": 412, "<|video_pad|>": 413},
+    # the towers' families: their own specials from 400, config.json's image ids among them
+    "gemma3": {"<bos>": 400, "<eos>": 401, "<pad>": 402, "<start_of_turn>": 403, "<end_of_turn>": 404,
+               "<start_of_image>": 405, "<end_of_image>": 406, "<image_soft_token>": 407},
+    "paligemma": {"<bos>": 400, "<eos>": 401, "<pad>": 402, "<image>": 403},
+    "llava_next": {"<s>": 400, "</s>": 401, "<unk>": 402, "<image>": 403},
+    "internvl": {"<|endoftext|>": 400, "<|im_start|>": 401, "<|im_end|>": 402, "<img>": 403, "</img>": 404,
+                 "<IMG_CONTEXT>": 405},
 }
 
 _HF = {}

@@ -16,6 +16,8 @@ transformers 5.24's Gemma3ForConditionalGeneration (gemma3/modeling_gemma3.py):
   AND(key > query - window, OR(causal, same image)), and padding keys masked in both. Without token_type_ids
   the masks are the plain causal / sliding ones (transformers' create_masks_for_generate). The training forward
   (LLaMA-Factory: train mode, dropout 0, labels passed) takes the same path: 5.24 reads labels only for the loss.
+`layer_inputs` gives every layer type its LayerInputs (that type's mask and RoPE cos/sin), {layer type: LayerInputs};
+each decoder layer reads its own type's, so any layer runs as `layer(hidden, inputs)` (the generic checks' call).
 Gemma3ForConditionalGeneration applies no final logit soft-capping (only the text-only Gemma3ForCausalLM does)
 and its attention passes no attn_logit_softcapping: both keys are ignored here as there.
 """
@@ -30,7 +32,8 @@ from torch import nn
 
 from torch_sources.models import rope
 from torch_sources.models.config_keys import DROPOUT, ConfigError, KeyAudit
-from torch_sources.models.layers import GatedMLP, apply_rope, eager_attention
+from torch_sources.models.layers import (GatedMLP, LayerInputs, apply_rope, attend, causal_mask, default_positions,
+                                         eager_attention, rope_cos_sin)
 from torch_sources.models.loading import load_config
 from torch_sources.models.qwen2_vl import LanguageModelView, merge_image_embeddings
 from torch_sources.models.siglip import SiglipVisionConfig, SiglipVisionModel, load_llava_layout
@@ -38,9 +41,10 @@ from torch_sources.models.siglip import SiglipVisionConfig, SiglipVisionModel, l
 AUTO_MODEL = ("gemma3", "Gemma3ForConditionalGeneration")  # HF model_type -> this file's model (models/auto.py finds it here)
 __all__ = [
     "CONFIG_KEYS", "TEXT_KEYS", "Gemma3TextConfig", "Gemma3Config",
-    "gemma_rms_norm", "image_block_ids", "vision_masks", "merge_image_embeddings",
-    "Gemma3RMSNorm", "Gemma3Attention", "Gemma3DecoderLayer", "Gemma3TextModel", "Gemma3MultiModalProjector",
-    "Gemma3Model", "Gemma3ForConditionalGeneration",
+    "gemma_rms_norm", "rms_norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention",
+    "image_block_ids", "vision_masks", "layer_inputs", "merge_image_embeddings",
+    "Gemma3RMSNorm", "Gemma3MLP", "Gemma3Attention", "Gemma3DecoderLayer", "Gemma3TextModel",
+    "Gemma3MultiModalProjector", "Gemma3Model", "Gemma3ForConditionalGeneration",
 ]
 
 # text_config's keys (Gemma3TextConfig's, and what the releases write: the legacy RoPE keys, the pattern).
@@ -174,12 +178,26 @@ class Gemma3Config(LanguageModelView):
         return self.vision.patches_per_side // int(self.mm_tokens_per_image ** 0.5)
 
 
+    @property
+    def sliding_window(self) -> int:
+        return self.text.sliding_window
+
+
 # ---- operators ------------------------------------------------------------------------------
 
 def gemma_rms_norm(x, weight, eps: float):  # x: [..., D]  weight: f32[D] (stored as the offset from 1)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return (h * (1.0 + weight.float())).type_as(x)
+
+
+rms_norm = gemma_rms_norm  # the family's norm under the generic name (the checks read `rms_norm`): Gemma's 1 + w
+
+
+def rope_inv_freq(config: Gemma3Config, layer_type: str = "full_attention") -> torch.Tensor:  # -> f32[hd/2]
+    """A layer type's table (models/rope.py); by default the full layers', which the release's rope_theta and
+    rope_scaling describe (the sliding layers': layer_type="sliding_attention", rope_local_base_freq)."""
+    return rope.inv_freq(config.text.layer_rope(layer_type))
 
 
 def image_block_ids(token_type_ids):  # i64[B,T] -> i64[B,T]: k for the k-th run of 1s in the row, -1 elsewhere
@@ -202,6 +220,18 @@ def vision_masks(attention_mask, token_type_ids, sliding_window: int) -> dict[st
     return {"full_attention": allowed & keys, "sliding_attention": allowed & window & keys}
 
 
+def layer_inputs(config: Gemma3Config, attention_mask, position_ids=None, *,
+                 token_type_ids=None) -> dict[str, LayerInputs]:
+    """{layer type: LayerInputs} every layer of a forward shares, each layer reading its own type's: that type's mask
+    (vision_masks: with token_type_ids, the image blocks) and its own RoPE cos/sin of the positions (0..T-1 unless
+    given). i64[B,T], i64[B,T] | None, i64[B,T] | None."""
+    if position_ids is None:
+        position_ids = default_positions(attention_mask)
+    masks = vision_masks(attention_mask, token_type_ids, config.text.sliding_window)
+    return {t: LayerInputs(masks[t], *rope.cos_sin(config.text.layer_rope(t), position_ids))
+            for t in dict.fromkeys(config.text.layer_types)}
+
+
 # ---- modules --------------------------------------------------------------------------------
 
 class Gemma3RMSNorm(nn.Module):
@@ -214,10 +244,16 @@ class Gemma3RMSNorm(nn.Module):
         return gemma_rms_norm(x, self.weight, self.eps)
 
 
+def Gemma3MLP(config: Gemma3TextConfig) -> GatedMLP:  # GeGLU (gelu_tanh)
+    return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_activation)
+
+
 class Gemma3Attention(nn.Module):
-    def __init__(self, c: Gemma3TextConfig):
+    """Layer `layer_idx`'s attention: its layer type picks its mask and RoPE table out of layer_inputs'."""
+
+    def __init__(self, c: Gemma3TextConfig, layer_idx: int = 0):
         super().__init__()
-        self.c = c
+        self.c, self.layer_type = c, c.layer_types[layer_idx]
         D, hd, bias = c.hidden_size, c.head_dim, c.attention_bias
         self.q_proj = nn.Linear(D, c.num_attention_heads * hd, bias=bias)
         self.k_proj = nn.Linear(D, c.num_key_value_heads * hd, bias=bias)
@@ -226,31 +262,29 @@ class Gemma3Attention(nn.Module):
         self.q_norm = Gemma3RMSNorm(hd, c.rms_norm_eps)
         self.k_norm = Gemma3RMSNorm(hd, c.rms_norm_eps)
 
-    def forward(self, x, mask, cos, sin):  # f32[B,T,D], bool[B,T,T], f32[B,T,hd] x2 -> f32[B,T,D]
+    def forward(self, x, inputs: dict[str, LayerInputs]):  # f32[B,T,D], layer_inputs' -> f32[B,T,D]
         c, (B, T, _) = self.c, x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim))
         k = self.k_norm(self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim))
         v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = eager_attention(q, k, v, mask, c.query_pre_attn_scalar ** -0.5)
-        return self.o_proj(out.reshape(B, T, -1))
+        return self.o_proj(attend(q, k, v, inputs[self.layer_type], c.query_pre_attn_scalar ** -0.5))
 
 
 class Gemma3DecoderLayer(nn.Module):
     """Sandwich norms: x + post_attn_norm(attn(input_norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x)))."""
 
-    def __init__(self, c: Gemma3TextConfig):
+    def __init__(self, c: Gemma3TextConfig, layer_idx: int = 0):
         super().__init__()
         D, eps = c.hidden_size, c.rms_norm_eps
-        self.self_attn = Gemma3Attention(c)
-        self.mlp = GatedMLP(D, c.intermediate_size, c.hidden_activation)
+        self.self_attn = Gemma3Attention(c, layer_idx)
+        self.mlp = Gemma3MLP(c)
         self.input_layernorm = Gemma3RMSNorm(D, eps)
         self.post_attention_layernorm = Gemma3RMSNorm(D, eps)
         self.pre_feedforward_layernorm = Gemma3RMSNorm(D, eps)
         self.post_feedforward_layernorm = Gemma3RMSNorm(D, eps)
 
-    def forward(self, x, mask, cos, sin):
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cos, sin))
+    def forward(self, x, inputs: dict[str, LayerInputs]):  # f32[B,T,D], layer_inputs' -> f32[B,T,D]
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), inputs))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
@@ -259,18 +293,16 @@ class Gemma3TextModel(nn.Module):
         super().__init__()
         self.config = c
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, padding_idx=c.pad_token_id)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = Gemma3RMSNorm(c.hidden_size, c.rms_norm_eps)
 
     def embed(self, input_ids):  # i64[B,T] -> f32[B,T,D], times sqrt(hidden) as a float32 scalar
         w = self.embed_tokens.weight
         return self.embed_tokens(input_ids) * torch.tensor(self.config.hidden_size ** 0.5).to(w.dtype)
 
-    def forward(self, embeds, masks, position_ids):  # f32[B,T,D], {type: bool[B,T,T]}, i64[B,T] -> f32[B,T,D]
-        c = self.config
-        tables = {t: rope.cos_sin(c.layer_rope(t), position_ids) for t in set(c.layer_types)}
-        for t, layer in zip(c.layer_types, self.layers):
-            embeds = layer(embeds, masks[t], *tables[t])
+    def forward(self, embeds, inputs: dict[str, LayerInputs]):  # f32[B,T,D], layer_inputs' -> f32[B,T,D]
+        for layer in self.layers:
+            embeds = layer(embeds, inputs)
         return self.norm(embeds)
 
 
@@ -314,9 +346,7 @@ class Gemma3Model(nn.Module):
             image_embeds = self.encode_images(pixel_values)
         if image_embeds is not None:
             embeds = merge_image_embeddings(embeds, input_ids, image_embeds, c.image_token_id)
-        masks = vision_masks(attention_mask, token_type_ids, c.text.sliding_window)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
-        return self.language_model(embeds, masks, positions)
+        return self.language_model(embeds, layer_inputs(c, attention_mask, token_type_ids=token_type_ids))
 
 
 class Gemma3ForConditionalGeneration(nn.Module):

@@ -27,7 +27,7 @@ from torch import nn
 from torch_sources.models import qwen2
 from torch_sources.models.config_keys import BOOKKEEPING, ConfigError, KeyAudit
 from torch_sources.models.intern_vit import InternVLVisionConfig, InternVLVisionModel
-from torch_sources.models.layers import ACTIVATIONS, LayerInputs, LayerNorm
+from torch_sources.models.layers import ACTIVATIONS, LayerInputs, LayerNorm, apply_rope, rope_cos_sin
 from torch_sources.models.loading import iter_tensors, load_config
 from torch_sources.models.qwen2 import Qwen2Config
 from torch_sources.models.qwen2_vl import LanguageModelView, Qwen2VLTextModel, merge_image_embeddings
@@ -35,7 +35,7 @@ from torch_sources.models.qwen2_vl import LanguageModelView, Qwen2VLTextModel, m
 AUTO_MODEL = ("internvl", "InternVLForConditionalGeneration")  # HF model_type -> this file's model (models/auto.py finds it here)
 __all__ = [
     "CONFIG_KEYS", "TEXT_EXTRA_KEYS", "TEXT_MODEL_TYPES", "PROJECTOR_LN_EPS", "InternVLConfig", "in_memory_name",
-    "layer_inputs", "merge_image_embeddings", "pixel_shuffle",
+    "rope_inv_freq", "rope_cos_sin", "apply_rope", "layer_inputs", "merge_image_embeddings", "pixel_shuffle",
     "InternVLMultiModalProjector", "InternVLModel", "InternVLForConditionalGeneration",
 ]
 
@@ -133,6 +133,10 @@ class InternVLConfig(LanguageModelView):
 
 
 # ---- operators ------------------------------------------------------------------------------
+
+def rope_inv_freq(config: InternVLConfig):  # -> f32[hd/2]: the language model's table (models/qwen2.py)
+    return qwen2.rope_inv_freq(config.text)
+
 
 def layer_inputs(config: InternVLConfig, attention_mask, position_ids=None) -> LayerInputs:
     """Causal + padding mask and Qwen2's RoPE cos/sin (positions 0..T-1 unless given) every layer shares."""

@@ -11,7 +11,7 @@ then every tile rescaled in float64 and cast to float32, normalized in float32. 
 tiles of all images, in order) equal the HF processor's bit for bit; `num_patches` counts each image's tiles.
 
 LLaMA-Factory (src/llamafactory/data/mm_plugin.py, InternVLPlugin): images first pass the base plugin's
-`_preprocess_image` (area over image_max_pixels or under image_min_pixels: `Image.resize` by the square root of the
+`_preprocess_image` (models/vision_processing.py preprocess_image_base: area over image_max_pixels or under image_min_pixels: `Image.resize` by the square root of the
 ratio, sides truncated; `convert("RGB")`), then the image processor is called with crop_to_patches=True,
 max_patches=12, min_patches=1 only when LF's `crop_to_patches` model argument is set (`patch_processor` copies it
 onto the processor; default False), else with the processor's own preprocessor_config settings (InternVL3-1B-hf:
@@ -25,12 +25,10 @@ same input.
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
-from PIL import Image
 
 from torch_sources.models.vision_processing import (IMAGE_PLACEHOLDER, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD,
                                                     VIDEO_PLACEHOLDER, normalize, rescale, resize_bicubic, to_rgb)
@@ -38,7 +36,7 @@ from torch_sources.models.vision_processing import (IMAGE_PLACEHOLDER, OPENAI_CL
 __all__ = [
     "IMAGENET_MEAN", "IMAGENET_STD", "LF_CROP_KWARGS", "GotOcr2ImageProcessorConfig",
     "supported_aspect_ratios", "optimal_tiled_canvas", "number_of_patches", "crop_image_to_patches",
-    "process_images", "lf_image_processor_kwargs", "preprocess_image_lf", "expand_image_placeholders",
+    "process_images", "lf_image_processor_kwargs", "expand_image_placeholders",
 ]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)  # InternVL3-1B-hf's preprocessor_config.json
@@ -160,21 +158,6 @@ def lf_image_processor_kwargs(crop_to_patches: bool = False) -> dict:
     """The kwargs LLaMA-Factory's InternVLPlugin passes the image processor: its crop settings when LF's
     `crop_to_patches` model argument is set, none otherwise (the processor's own config then decides)."""
     return dict(LF_CROP_KWARGS) if crop_to_patches else {}
-
-
-def preprocess_image_lf(image: np.ndarray, image_max_pixels: int = 768 * 768,
-                        image_min_pixels: int = 32 * 32) -> np.ndarray:
-    """uint8[H,W,C] -> uint8[H',W',3]: LF's base `_preprocess_image` (InternVLPlugin adds no rule of its own).
-    `Image.resize` with its default filter (BICUBIC), sides truncated by int(); RGBA loses its alpha in
-    convert("RGB") (no compositing, unlike HF's own to_rgb)."""
-    im = Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image)
-    if im.width * im.height > image_max_pixels:
-        factor = math.sqrt(image_max_pixels / (im.width * im.height))
-        im = im.resize((int(im.width * factor), int(im.height * factor)))
-    if im.width * im.height < image_min_pixels:
-        factor = math.sqrt(image_min_pixels / (im.width * im.height))
-        im = im.resize((int(im.width * factor), int(im.height * factor)))
-    return np.asarray(im.convert("RGB")).copy()
 
 
 def expand_image_placeholders(messages: list[dict[str, str]], num_patches, image_seq_length: int, *,

@@ -15,7 +15,7 @@ Training and inference run the same numbers here: no token_type_ids, the causal 
 Module tree: transformers 5's in-memory one (`model.vision_tower.*`, `model.multi_modal_projector.*`,
 `model.image_newline`, `model.language_model.*`, `lm_head`), so LoRA names equal PEFT's on the HF model. The
 release stores `vision_tower.vision_model.*`, `language_model.model.*`, `language_model.lm_head.weight`,
-`multi_modal_projector.*`, `image_newline`: `module_name` maps those (and transformers 5's own save layouts) in.
+`multi_modal_projector.*`, `image_newline`: `_module_name` maps those (and transformers 5's own save layouts) in.
 
 The tower's output may also come precomputed (a LoRA trainer runs the frozen tower and projector once per batch):
 `encode_images` gives `image_embeds` f32[n,D], the rows in reading order over all images of the batch;
@@ -33,7 +33,7 @@ from torch import nn
 from torch_sources.models import llama3
 from torch_sources.models.clip import CLIPVisionConfig, CLIPVisionModel
 from torch_sources.models.config_keys import ConfigError, KeyAudit
-from torch_sources.models.layers import ACTIVATIONS, LayerInputs, RMSNorm
+from torch_sources.models.layers import ACTIVATIONS, LayerInputs, RMSNorm, apply_rope, rope_cos_sin
 from torch_sources.models.llama3 import LlamaConfig, LlamaDecoderLayer
 from torch_sources.models.llava_next_processing import select_best_resolution, unpadded_grid
 from torch_sources.models.loading import iter_tensors, load_config
@@ -41,7 +41,8 @@ from torch_sources.models.qwen2_vl import LanguageModelView, merge_image_embeddi
 
 AUTO_MODEL = ("llava_next", "LlavaNextForConditionalGeneration")  # HF model_type -> this file's model (models/auto.py)
 __all__ = [
-    "CONFIG_KEYS", "TEXT_KEYS", "LLAMA_DEFAULTS", "LlavaNextConfig", "read_text_config", "module_name",
+    "CONFIG_KEYS", "TEXT_KEYS", "LLAMA_DEFAULTS", "LlavaNextConfig", "read_text_config",
+    "rope_inv_freq", "rope_cos_sin", "apply_rope", "layer_inputs",
     "anyres_grid_shape", "image_num_tiles", "num_image_features", "pack_image_features", "merge_image_embeddings",
     "LlavaNextMultiModalProjector", "LlavaNextTextModel", "LlavaNextModel", "LlavaNextForConditionalGeneration",
 ]
@@ -131,6 +132,17 @@ class LlavaNextConfig(LanguageModelView):
         return cls.from_hf(load_config(path))
 
 
+# ---- operators ------------------------------------------------------------------------------
+
+def rope_inv_freq(config: LlavaNextConfig):  # -> f32[hd/2]: the language model's table (models/llama3.py)
+    return llama3.rope_inv_freq(config.text)
+
+
+def layer_inputs(config: LlavaNextConfig, attention_mask, position_ids=None) -> LayerInputs:
+    """Causal + padding mask and Llama's RoPE cos/sin (positions 0..T-1 unless given) every layer shares."""
+    return llama3.layer_inputs(config.text, attention_mask, position_ids)
+
+
 # ---- checkpoint names -----------------------------------------------------------------------
 
 # release prefix -> module prefix (the first that matches); names already in the in-memory layout pass through
@@ -139,7 +151,7 @@ _RENAMES = [(r"language_model\.lm_head\.", "lm_head."),
             (r"(vision_tower|multi_modal_projector|image_newline)", r"model.\1")]
 
 
-def module_name(name: str) -> str:
+def _module_name(name: str) -> str:
     """A checkpoint tensor's name in this module tree: the release's `language_model.model.*`,
     `vision_tower.vision_model.*`, ... (transformers 5 drops CLIPVisionModel's `vision_model.` on load, as here)."""
     for prefix, target in _RENAMES:
@@ -248,7 +260,7 @@ class LlavaNextModel(nn.Module):
         embeds = self.language_model.embed_tokens(input_ids)
         if image_embeds is not None:
             embeds = merge_image_embeddings(embeds, input_ids, image_embeds, c.image_token_id)
-        return self.language_model(embeds, llama3.layer_inputs(c.text, attention_mask, position_ids))
+        return self.language_model(embeds, layer_inputs(c, attention_mask, position_ids))
 
 
 class LlavaNextForConditionalGeneration(nn.Module):
@@ -288,7 +300,7 @@ class LlavaNextForConditionalGeneration(nn.Module):
         config = LlavaNextConfig.from_pretrained(path)
         with torch.device("meta"):  # no random init: every parameter comes from the checkpoint
             model = cls(config)
-        state = {module_name(k): v.to(torch.float32) for k, v in iter_tensors(path)}
+        state = {_module_name(k): v.to(torch.float32) for k, v in iter_tensors(path)}
         embed = "model.language_model.embed_tokens.weight"
         if config.tie_word_embeddings:
             state.setdefault("lm_head.weight", state[embed])

@@ -25,8 +25,9 @@ from torch import nn
 
 from torch_sources.models import rope
 from torch_sources.models.config_keys import DROPOUT, ROPE_KEYS, ConfigError, KeyAudit
-from torch_sources.models.gemma3 import Gemma3RMSNorm as GemmaRMSNorm, gemma_rms_norm
-from torch_sources.models.layers import ACTIVATIONS, GatedMLP, apply_rope, eager_attention
+from torch_sources.models.gemma3 import Gemma3RMSNorm as GemmaRMSNorm, gemma_rms_norm, rms_norm
+from torch_sources.models.layers import (ACTIVATIONS, GatedMLP, LayerInputs, apply_rope, attend, causal_mask,
+                                         eager_attention, rope_cos_sin)
 from torch_sources.models.loading import load_config
 from torch_sources.models.qwen2_vl import LanguageModelView, merge_image_embeddings
 from torch_sources.models.siglip import SiglipVisionConfig, SiglipVisionModel, load_llava_layout
@@ -34,9 +35,10 @@ from torch_sources.models.siglip import SiglipVisionConfig, SiglipVisionModel, l
 AUTO_MODEL = ("paligemma", "PaliGemmaForConditionalGeneration")  # HF model_type -> this file's model (models/auto.py finds it here)
 __all__ = [
     "CONFIG_KEYS", "TEXT_KEYS", "GemmaConfig", "PaliGemmaConfig",
-    "gemma_rms_norm", "prefix_lm_mask", "merge_image_embeddings",
-    "GemmaRMSNorm", "GemmaAttention", "GemmaDecoderLayer", "GemmaTextModel", "PaliGemmaMultiModalProjector",
-    "PaliGemmaModel", "PaliGemmaForConditionalGeneration",
+    "gemma_rms_norm", "rms_norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "causal_mask", "eager_attention",
+    "prefix_lm_mask", "layer_inputs", "merge_image_embeddings",
+    "GemmaRMSNorm", "GemmaMLP", "GemmaAttention", "GemmaDecoderLayer", "GemmaTextModel",
+    "PaliGemmaMultiModalProjector", "PaliGemmaModel", "PaliGemmaForConditionalGeneration",
 ]
 
 TEXT_KEYS = KeyAudit(
@@ -147,7 +149,24 @@ def prefix_lm_mask(attention_mask, token_type_ids) -> torch.Tensor:
     return allowed & attention_mask.bool()[:, None, :]
 
 
+def rope_inv_freq(config: PaliGemmaConfig) -> torch.Tensor:  # -> f32[hd/2]: the table at init (models/rope.py)
+    return rope.inv_freq(config.text.rope)
+
+
+def layer_inputs(config: PaliGemmaConfig, attention_mask, position_ids=None, *, token_type_ids=None) -> LayerInputs:
+    """The mask (prefix_lm_mask: with token_type_ids, the type-0 block) and RoPE cos/sin every layer shares;
+    positions 1..T unless given (PaliGemma numbers from 1). i64[B,T], i64[B,T] | None, i64[B,T] | None."""
+    if position_ids is None:
+        position_ids = torch.arange(1, attention_mask.shape[1] + 1, device=attention_mask.device)[None]
+        position_ids = position_ids.expand_as(attention_mask)
+    return LayerInputs(prefix_lm_mask(attention_mask, token_type_ids), *rope.cos_sin(config.text.rope, position_ids))
+
+
 # ---- modules --------------------------------------------------------------------------------
+
+def GemmaMLP(config: GemmaConfig) -> GatedMLP:  # GeGLU (gelu_tanh)
+    return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+
 
 class GemmaAttention(nn.Module):
     def __init__(self, c: GemmaConfig):
@@ -159,13 +178,12 @@ class GemmaAttention(nn.Module):
         self.v_proj = nn.Linear(D, c.num_key_value_heads * hd, bias=bias)
         self.o_proj = nn.Linear(c.num_attention_heads * hd, D, bias=bias)
 
-    def forward(self, x, mask, cos, sin):  # f32[B,T,D], bool[B,T,T], f32[B,T,hd] x2 -> f32[B,T,D]
+    def forward(self, x, inputs: LayerInputs):  # f32[B,T,D] -> f32[B,T,D]
         c, (B, T, _) = self.c, x.shape
         q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim)
         k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim)
         v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.o_proj(eager_attention(q, k, v, mask, c.head_dim ** -0.5).reshape(B, T, -1))
+        return self.o_proj(attend(q, k, v, inputs, c.head_dim ** -0.5))
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -174,10 +192,10 @@ class GemmaDecoderLayer(nn.Module):
         self.input_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = GemmaAttention(c)
         self.post_attention_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
+        self.mlp = GemmaMLP(c)
 
-    def forward(self, x, mask, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), mask, cos, sin)
+    def forward(self, x, inputs: LayerInputs):  # f32[B,T,D] -> f32[B,T,D]
+        x = x + self.self_attn(self.input_layernorm(x), inputs)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -193,10 +211,9 @@ class GemmaTextModel(nn.Module):
         w = self.embed_tokens.weight
         return self.embed_tokens(input_ids) * torch.tensor(self.config.hidden_size ** 0.5).to(w.dtype)
 
-    def forward(self, embeds, mask, position_ids):  # f32[B,T,D], bool[B,T,T], i64[B,T] -> f32[B,T,D]
-        cos, sin = rope.cos_sin(self.config.rope, position_ids)
+    def forward(self, embeds, inputs: LayerInputs):  # f32[B,T,D] -> f32[B,T,D]
         for layer in self.layers:
-            embeds = layer(embeds, mask, cos, sin)
+            embeds = layer(embeds, inputs)
         return self.norm(embeds)
 
 
@@ -235,8 +252,7 @@ class PaliGemmaModel(nn.Module):
             image_embeds = self.encode_images(pixel_values)
         if image_embeds is not None:
             embeds = merge_image_embeddings(embeds, input_ids, image_embeds, c.image_token_id)
-        positions = torch.arange(1, input_ids.shape[1] + 1, device=input_ids.device)[None].expand_as(input_ids)
-        return self.language_model(embeds, prefix_lm_mask(attention_mask, token_type_ids), positions)
+        return self.language_model(embeds, layer_inputs(c, attention_mask, token_type_ids=token_type_ids))
 
 
 class PaliGemmaForConditionalGeneration(nn.Module):

@@ -30,7 +30,7 @@ __all__ = [
     "OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD", "QwenImageProcessorConfig", "smart_resize",
     "read_png", "to_rgb", "load_image", "resize_bicubic", "resize_bilinear", "resize_pil",
     "rescale", "normalize", "patchify", "process_images",
-    "preprocess_image_lf", "expand_image_placeholders",
+    "preprocess_image_base", "preprocess_image_lf", "expand_image_placeholders",
 ]
 
 # LLaMA-Factory's placeholders (extras/constants.py; env vars IMAGE_PLACEHOLDER etc. can override them there).
@@ -227,10 +227,10 @@ def process_images(images: list[np.ndarray],
     return torch.cat(all_patches), torch.tensor(grids, dtype=torch.int64)
 
 
-def preprocess_image_lf(image: np.ndarray, image_max_pixels: int = 768 * 768,
-                        image_min_pixels: int = 32 * 32) -> np.ndarray:
-    """uint8[H,W,C] -> uint8[H',W',3]: LF's Qwen2VLPlugin._preprocess_image (after the base plugin's), which runs
-    before the HF processor. `Image.resize` with its default filter (BICUBIC), sizes truncated by int(); RGBA loses
+def preprocess_image_base(image: np.ndarray, image_max_pixels: int = 768 * 768,
+                          image_min_pixels: int = 32 * 32) -> np.ndarray:
+    """uint8[H,W,C] -> uint8[H',W',3]: LF's base plugin `_preprocess_image` (every plugin's, before its own rules
+    and the HF processor). `Image.resize` with its default filter (BICUBIC), sizes truncated by int(); RGBA loses
     its alpha in convert("RGB") (no compositing, unlike HF's own to_rgb)."""
     im = _pil(image)
     if im.width * im.height > image_max_pixels:
@@ -241,6 +241,14 @@ def preprocess_image_lf(image: np.ndarray, image_max_pixels: int = 768 * 768,
         im = im.resize((int(im.width * resize_factor), int(im.height * resize_factor)))
     if im.mode != "RGB":
         im = im.convert("RGB")
+    return _array(im)
+
+
+def preprocess_image_lf(image: np.ndarray, image_max_pixels: int = 768 * 768,
+                        image_min_pixels: int = 32 * 32) -> np.ndarray:
+    """uint8[H,W,C] -> uint8[H',W',3]: LF's Qwen2VLPlugin._preprocess_image: the base plugin's
+    (preprocess_image_base), then the Qwen size rules."""
+    im = _pil(preprocess_image_base(image, image_max_pixels, image_min_pixels))
     # Qwen2VLPlugin: sides of at least 28, aspect ratio at most 200 (smart_resize refuses more)
     if min(im.width, im.height) < 28:
         im = im.resize((max(im.width, 28), max(im.height, 28)))

@@ -28,16 +28,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .mm_plugin import (MMPlugin, add_fake_image, fake_audio_inputs, fake_image, fake_input_ids, get_mm_inputs,
-                        preprocess_image, regularize_images)
+from .mm_plugin import (MMPlugin, TowerPlugin, add_fake_image, fake_audio_inputs, fake_image, fake_input_ids,
+                        get_mm_inputs, preprocess_image, regularize_images)
 from .template import ChatTokenizer
 
 __all__ = ["MultimodalContext", "SFTDataCollator", "PairwiseDataCollator", "PromptDataCollator", "pad_features"]
 
 
 def pad_features(features: list[dict], length: int, pad_token_id: int, label_pad_token_id: int) -> dict[str, np.ndarray]:
-    """Right-pad each feature's input_ids / attention_mask / labels to `length` -> int64 [B, length]."""
+    """Right-pad each feature's input_ids / attention_mask / labels (and token_type_ids, with 0: the tokenizer's
+    pad_token_type_id, where a plugin gave them) to `length` -> int64 [B, length]."""
     fill = {"input_ids": pad_token_id, "attention_mask": 0, "labels": label_pad_token_id}
+    if "token_type_ids" in features[0]:
+        fill["token_type_ids"] = 0
     out = {}
     for key, value in fill.items():
         rows = np.full((len(features), length), value, dtype=np.int64)
@@ -61,11 +64,13 @@ class MultimodalContext:
 
 @dataclass(frozen=True)
 class _Media:
-    """A batch's media for LF's collator: its regularized images in row order, and which fakes stand in."""
+    """A batch's media for LF's collator: its regularized images in row order, which fakes stand in, and a tower
+    plugin's inputs (computed on the rows with the fake's tokens, as LF's get_mm_inputs sees them)."""
 
     images: list
     fake_image: bool
     fake_audio: bool
+    tower_inputs: dict | None = None  # a tower plugin's get_mm_inputs of the batch
 
 
 def _mm_rows(features: list[dict], mm: MultimodalContext, padding_side: str) -> tuple[list[dict], _Media]:
@@ -75,10 +80,18 @@ def _mm_rows(features: list[dict], mm: MultimodalContext, padding_side: str) -> 
         raise NotImplementedError("audio files in the data are not read (LF decodes them with torchaudio): only "
                                   "LF's fake audio reaches the collator")
     images = [image for f in features for image in regularize_images(f.get("images") or [], mm.media_dir, mm.plugin)]
-    media = _Media(images or [preprocess_image(fake_image(), mm.plugin)], fake_image=not images,
-                   fake_audio=mm.plugin.audio_token is not None)
-    fake_ids = fake_input_ids(mm.tokenizer, mm.plugin, image=media.fake_image, audio=media.fake_audio)
-    return (add_fake_image(features, fake_ids, padding_side) if fake_ids else features), media
+    imglens = [len(f.get("images") or []) for f in features]
+    fake = not images
+    fake_ids = fake_input_ids(mm.tokenizer, mm.plugin, image=fake, audio=mm.plugin.audio_token is not None)
+    rows = add_fake_image(features, fake_ids, padding_side) if fake_ids else features
+    images = images or [preprocess_image(fake_image(), mm.plugin)]
+    tower = None
+    if isinstance(mm.plugin, TowerPlugin):  # LF sets each row's token_type_ids before padding
+        tower = mm.plugin.get_mm_inputs(images, [1] + imglens[1:] if fake else imglens,
+                                        [list(r["input_ids"]) for r in rows], mm.tokenizer)
+        if "token_type_ids" in tower:
+            rows = [{**r, "token_type_ids": types} for r, types in zip(rows, tower.pop("token_type_ids"))]
+    return rows, _Media(images, fake_image=fake, fake_audio=mm.plugin.audio_token is not None, tower_inputs=tower)
 
 
 def _omni_deltas(rope_deltas, attention_mask, lf_width: int):  # i64[B,1], [B,T] -> i64[B,1]
@@ -89,7 +102,10 @@ def _omni_deltas(rope_deltas, attention_mask, lf_width: int):  # i64[B,1], [B,T]
 
 def _mm_inputs(batch: dict, media: _Media, mm: MultimodalContext, lf_width: int) -> dict[str, torch.Tensor]:
     """pixel_values, image_grid_thw, (a plugin with an audio token) input_features, feature_attention_mask, and
-    (with a rope_index) position_ids, rope_deltas of the padded batch."""
+    (with a rope_index) position_ids, rope_deltas of the padded batch; a tower plugin's pixel_values and extras
+    (image_sizes; its token_type_ids went into the rows before padding)."""
+    if media.tower_inputs is not None:
+        return dict(media.tower_inputs)
     pixel_values, image_grid_thw = get_mm_inputs(media.images, mm.plugin)
     out = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
     if media.fake_audio:
@@ -164,10 +180,14 @@ class PromptDataCollator:
         length = self.pad_to_length or lf_width
         out = {"input_ids": np.full((len(features), length), self.pad_token_id, np.int64),
                "attention_mask": np.zeros((len(features), length), np.int64)}
+        if "token_type_ids" in features[0]:
+            out["token_type_ids"] = np.zeros((len(features), length), np.int64)
         for i, f in enumerate(features):
             k = len(f["input_ids"])
             out["input_ids"][i, length - k:] = f["input_ids"]
             out["attention_mask"][i, length - k:] = 1 if self.mm is None else f["attention_mask"]  # fake image: 0
+            if "token_type_ids" in out:
+                out["token_type_ids"][i, length - k:] = f["token_type_ids"]
         out = {key: torch.from_numpy(value) for key, value in out.items()}
         if self.mm is not None:
             out.update(_mm_inputs(out, media, self.mm, lf_width))

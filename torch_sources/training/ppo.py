@@ -16,10 +16,10 @@ raw alpaca json -> llama3 template -> unsupervised processor (the prompt through
    value loss, each mini-batch's loss / GA backward, clip and AdamW step every GA mini-batches (accelerate);
    the adaptive (or fixed) KL controller updates, the LR schedule steps once per PPO step.
 
-Vision-language policies (qwen2_vl and kin, their template's mm plugin). LF 0.9.5's own PPO cannot run a
-Qwen-VL model: TRL 0.9.6's value head reads config.hidden_size (a VL config keeps it in its text config), and
-generation gets only input_ids and attention_mask, so the images never reach the model. The VL path here is LF's
-PPO with the multimodal collator's inputs passed where a VL model needs them:
+Vision-language policies (qwen2_vl and kin, the fixed-size towers; their template's mm plugin). LF 0.9.5's own
+PPO cannot run a Qwen-VL model: TRL 0.9.6's value head reads config.hidden_size (a VL config keeps it in its text
+config), and generation gets only input_ids and attention_mask, so the images never reach the model. The VL path
+here is LF's PPO with the multimodal collator's inputs passed where a VL model needs them:
 - prompts collated by PromptDataCollator(pad, mm=MultimodalContext(template.mm_plugin, tokenizer, media_dir,
   model.rope_index)): pixel_values, image_grid_thw, the prompt's M-RoPE position_ids and rope_deltas;
 - the frozen tower runs once per step batch (encode_images); its image features (the merged patches, and
@@ -42,7 +42,17 @@ PPO with the multimodal collator's inputs passed where a VL model needs them:
   the absolute column (minus each row's masked tokens); generation continues the text positions, so an Omni
   prompt's deltas are taken as the largest position + 1 - the attended tokens (the same decode positions). A
   sampled video token is text (video_tokens_as_text), as generate's decode steps embed it; the fake audio, like
-  the fake image, never reaches a query.
+  the fake image, never reaches a query;
+- the fixed-size towers (gemma3, paligemma, llava_next, internvl: no grids, no rope index) take the same path
+  without M-RoPE: the tower's rows (each family's encode_images on the pixels, LLaVA-NeXT's with image_sizes) kept
+  per token as above (a generated image token embeds as text); generation at text positions (mask cumsum - 1),
+  Gemma 3's and PaliGemma's with the prompt's token_type_ids (left-padded with 0), each new token taking the
+  prompt's last type as HF's generate extends them (Gemma 3: 0, text; PaliGemma: LF's 1, the causal suffix);
+  TRL's forward passes no positions (0..L-1; PaliGemma's 1..L, its own numbering) and the query's types, then
+  that type over the response, pads 0. Gemma 3's and PaliGemma's forwards take no position_ids, so their
+  generation runs at the model's own positions on the left-padded rows (each row's real tokens shifted by its
+  pad count): RoPE reads position differences only, so each row's attention is HF's (mask cumsum - 1, PaliGemma's
+  + 1) up to rounding.
 Departure from LF: a step batch without any image gets LF's fake image before row 0's tokens (mask 0), and LF's
 trimming (the first non-pad token) would keep its tokens in the query, to be attended with no pixels; here the
 query of a VL batch starts at its first attended token, so the fake image never reaches TRL's forward.
@@ -234,11 +244,12 @@ class CausalLMWithValueHead(nn.Module):
         self.pretrained_model = pretrained_model
         self.v_head = ValueHead(pretrained_model.config.hidden_size, dropout)
 
-    def forward(self, input_ids, attention_mask, position_ids=None, **image_features):  # -> f32[B,T,V], f32[B,T]
-        """image_features: a VL model's tower keywords (image_embeds, Qwen3-VL's deepstack_embeds, Omni's
-        audio_embeds)."""
-        logits, hidden = self.pretrained_model(input_ids, attention_mask, position_ids, return_hidden=True,
-                                               **image_features)
+    def forward(self, input_ids, attention_mask, position_ids=None, **inputs):  # -> f32[B,T,V], f32[B,T]
+        """inputs: a VL model's keywords (the tower's image_embeds, Qwen3-VL's deepstack_embeds, Omni's
+        audio_embeds, Gemma 3's and PaliGemma's token_type_ids). position_ids only when given: Gemma 3's and
+        PaliGemma's forwards take none (their own 0..T-1 / 1..T)."""
+        positions = {} if position_ids is None else {"position_ids": position_ids}
+        logits, hidden = self.pretrained_model(input_ids, attention_mask, return_hidden=True, **positions, **inputs)
         return logits.float(), self.v_head(hidden)
 
 
@@ -316,6 +327,7 @@ def sample_next_tokens(logits: torch.Tensor, noise: torch.Tensor, args: PPOArgs)
 _TOKEN = "token_"  # a VL batch's per-token tower features: token_<keyword> f32[B,T,...]
 # the token a keyword's rows replace (config attribute): the image keywords the image-pad token's, Omni's audio rows
 # (audio_embeds, encode_audio's output) the audio token's
+_IMAGE_FEATURES = ("image_embeds", "deepstack_embeds")
 _AUDIO_FEATURES = ("audio_embeds",)
 
 
@@ -323,14 +335,16 @@ def _feature_token(config, keyword: str) -> int:
     return config.audio_token_id if keyword in _AUDIO_FEATURES else config.image_token_id
 
 
-def _token_features(inputs: dict) -> dict:  # -> {keyword: f32[B,T,...]}
-    return {k[len(_TOKEN):]: v for k, v in inputs.items() if k.startswith(_TOKEN)}
+def _token_features(inputs: dict) -> dict:  # -> {keyword: f32[B,T,...]} (token_type_ids is no tower feature)
+    return {k: inputs[_TOKEN + k] for k in _IMAGE_FEATURES + _AUDIO_FEATURES if _TOKEN + k in inputs}
 
 
-def _encode_images(lm, pixel_values, image_grid_thw) -> dict[str, torch.Tensor]:
+def _encode_images(lm, batch: dict) -> dict[str, torch.Tensor]:
     """The tower's output as the forward's image keywords: a family's dict (Qwen3-VL: image_embeds f32[n,D],
-    deepstack_embeds f32[n,K,D]), or its merged patches alone (image_embeds)."""
-    encoded = lm.encode_images(pixel_values, image_grid_thw)
+    deepstack_embeds f32[n,K,D]), or its rows alone (image_embeds). Qwen-VL's encode_images takes the pixels and
+    grids, LLaVA-NeXT's the pixels and image sizes, the other fixed-size towers' the pixels."""
+    media = [batch[k] for k in ("image_grid_thw", "image_sizes") if k in batch]
+    encoded = lm.encode_images(batch["pixel_values"], *media)
     return {k: v.float() for k, v in (encoded if isinstance(encoded, dict) else {"image_embeds": encoded}).items()}
 
 
@@ -360,18 +374,23 @@ def prompt_vision(model: CausalLMWithValueHead, batch: dict) -> dict | None:
     """A collated VL prompt batch -> {position_ids i64[3,B,P], rope_deltas i64[B,1], token_<keyword> f32[B,P,...]:
     the tower's image features at the image tokens (reading order), 0 elsewhere}; None for a text batch. An Omni
     batch (LF's fake audio: input_features, feature_attention_mask) adds the audio tower's rows at its (masked)
-    audio tokens, token_audio_embeds, and its rope deltas are taken against the text positions (_text_deltas)."""
+    audio tokens, token_audio_embeds, and its rope deltas are taken against the text positions (_text_deltas). A
+    fixed-size tower's batch (no grids) has no M-RoPE: {token_image_embeds, and Gemma 3's and PaliGemma's
+    token_type_ids i64[B,P] (the collator's, left-padded with 0)}."""
     if "pixel_values" not in batch:
         return None
     lm = model.pretrained_model
     ids = batch["input_ids"]
-    encoded = _encode_images(lm, batch["pixel_values"], batch["image_grid_thw"])
+    encoded = _encode_images(lm, batch)
     if "input_features" in batch:
         encoded["audio_embeds"] = lm.encode_audio(batch["input_features"], batch["feature_attention_mask"]).float()
     per_token = {}
     for k, rows in encoded.items():
         per_token[_TOKEN + k] = torch.zeros(*ids.shape, *rows.shape[1:])
         per_token[_TOKEN + k][ids == _feature_token(lm.config, k)] = rows
+    if "image_grid_thw" not in batch:  # a fixed-size tower: text positions
+        types = {"token_type_ids": batch["token_type_ids"].long()} if "token_type_ids" in batch else {}
+        return {**per_token, **types}
     position_ids = batch["position_ids"].long()
     deltas = (_text_deltas(position_ids, batch["attention_mask"]) if "input_features" in batch
               else batch["rope_deltas"].long())
@@ -387,13 +406,31 @@ def _image_inputs(model: CausalLMWithValueHead, input_ids, features: dict) -> di
     return {**out, "video_tokens_as_text": True} if any(k in _AUDIO_FEATURES for k in out) else out
 
 
+def _text_positions(mask):  # {0,1}[B,T] (left padding) -> i64[B,T]: HF generate's, mask cumsum - 1 (1 on pads)
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+
+
+def _tower_inputs(vision: dict, mask, t: int) -> dict:
+    """A fixed-size tower's forward keywords in generation's step t, beside the image rows: Gemma 3's and
+    PaliGemma's token types (the prompt's, then its last type for the t new tokens: 0 for Gemma 3, LF's 1 for
+    PaliGemma); the others' text positions. Gemma 3's and PaliGemma's forwards take no position_ids: they run at
+    their own (0..T-1, PaliGemma's 1..T) on the left-padded rows, each row's real tokens shifted by its pad
+    count; RoPE reads position differences only, so each row's attention is HF's up to rounding."""
+    if "token_type_ids" not in vision:
+        return {"position_ids": _text_positions(mask)}
+    types = vision["token_type_ids"]
+    return {"token_type_ids": torch.cat([types, types[:, -1:].expand(-1, t)], dim=1)}
+
+
 @torch.no_grad()
 def generate(model: CausalLMWithValueHead, input_ids, attention_mask, noise, args: PPOArgs,
              eos_token_ids, pad_token_id: int, vision: dict | None = None) -> torch.Tensor:
     """HF generate (do_sample) from left-padded prompts: i64[B,P] -> i64[B, max_new_tokens]; after a
     row's eos every token is pad_token_id. Positions are HF's: attention-mask cumsum - 1 (1 on pads).
     vision (prompt_vision's, these rows): the prompt's image embeddings and M-RoPE positions; new tokens at
-    their text position + the row's rope delta (mrope.decode_positions), embedded as text."""
+    their text position + the row's rope delta (mrope.decode_positions), embedded as text. A fixed-size tower's:
+    the image rows, text positions, and Gemma 3's and PaliGemma's token types, each new token taking the prompt's
+    last type (HF's _update_model_kwargs_for_generation); their forwards take no positions (see _tower_inputs)."""
     ids, mask = input_ids.long(), attention_mask.long()
     if vision is not None:
         prompt_features = _token_features(vision)
@@ -403,15 +440,17 @@ def generate(model: CausalLMWithValueHead, input_ids, attention_mask, noise, arg
     out = []
     for t in range(args.max_new_tokens):
         if vision is None:
-            position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-            logits = model.pretrained_model(ids, mask, position_ids)[:, -1].float()
+            inputs = {"position_ids": _text_positions(mask)}
         else:
-            new_positions = mrope.decode_positions(mask, vision["rope_deltas"])[..., input_ids.shape[1]:]
-            position_ids = torch.cat([vision["position_ids"], new_positions], dim=-1)
             features = {k: torch.cat([v, text[k].expand(ids.shape[0], t, *text[k].shape)], dim=1)
                         for k, v in prompt_features.items()}
-            logits = model.pretrained_model(ids, mask, position_ids,
-                                            **_image_inputs(model, ids, features))[:, -1].float()
+            inputs = _image_inputs(model, ids, features)
+            if "position_ids" in vision:
+                new_positions = mrope.decode_positions(mask, vision["rope_deltas"])[..., input_ids.shape[1]:]
+                inputs["position_ids"] = torch.cat([vision["position_ids"], new_positions], dim=-1)
+            else:
+                inputs.update(_tower_inputs(vision, mask, t))
+        logits = model.pretrained_model(ids, mask, **inputs)[:, -1].float()
         token = sample_next_tokens(logits, torch.as_tensor(np.asarray(noise[:, t])), args)
         token = torch.where(finished, torch.full_like(token, pad_token_id), token)
         finished |= torch.isin(token, eos)
@@ -445,7 +484,9 @@ def prepare_model_inputs(queries, responses, pad_token_id: int, vision: dict | N
     vision (rollout's, per row: the query's positions i64[3,q], per-token image features token_<keyword>
     f32[q,...], rope delta; and the image-pad token's text features) adds row_positions i64[B,3,L] (the query's,
     then text: column j at j + delta; pads 0) and the per-token features f32[B,L,...] (the query's; the text
-    features on the response)."""
+    features on the response). A fixed-size tower's (no positions: TRL's forward passes none, so 0..L-1, or
+    PaliGemma's 1..L) adds Gemma 3's and PaliGemma's token_type_ids i64[B,L]: the query's, then its last type (the
+    generated tokens' text type) over the response; pads 0."""
     rows = [torch.cat([q, r]) for q, r in zip(queries, responses)]
     length = max(len(x) for x in rows)
     input_ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
@@ -457,15 +498,24 @@ def prepare_model_inputs(queries, responses, pad_token_id: int, vision: dict | N
     if vision is None:
         return out
     text = vision["text_features"]
-    positions = torch.zeros((len(rows), 3, length), dtype=torch.long)
     features = {k: torch.zeros((len(rows), length, *v.shape)) for k, v in text.items()}
-    for i, (q, x) in enumerate(zip(queries, rows)):
-        positions[i, :, :len(q)] = vision["positions"][i]
-        positions[i, :, len(q):len(x)] = torch.arange(len(q), len(x)) + vision["rope_deltas"][i]
+    for i, q in enumerate(queries):
         for k, v in features.items():
             v[i, :len(q)] = vision[_TOKEN + k][i]
             v[i, len(q):] = text[k]
-    return {**out, "row_positions": positions, **{_TOKEN + k: v for k, v in features.items()}}
+    out.update({_TOKEN + k: v for k, v in features.items()})
+    if "positions" in vision:
+        out["row_positions"] = torch.zeros((len(rows), 3, length), dtype=torch.long)
+        for i, (q, x) in enumerate(zip(queries, rows)):
+            out["row_positions"][i, :, :len(q)] = vision["positions"][i]
+            out["row_positions"][i, :, len(q):len(x)] = torch.arange(len(q), len(x)) + vision["rope_deltas"][i]
+    if "token_type_ids" in vision:
+        out["token_type_ids"] = torch.zeros((len(rows), length), dtype=torch.long)
+        for i, (q, x) in enumerate(zip(queries, rows)):
+            types = vision["token_type_ids"][i]
+            out["token_type_ids"][i, :len(q)] = types
+            out["token_type_ids"][i, len(q):len(x)] = types[-1]
+    return out
 
 
 @torch.no_grad()
@@ -492,13 +542,14 @@ def batched_forward_pass(model: CausalLMWithValueHead, queries, responses, model
     for s in range(0, len(queries), mini_batch_size):
         input_ids = model_inputs["input_ids"][s:s + mini_batch_size]
         attention_mask = model_inputs["attention_mask"][s:s + mini_batch_size]
-        if "row_positions" in model_inputs:  # a VL batch: its M-RoPE positions and image features
-            features = {k: v[s:s + mini_batch_size] for k, v in _token_features(model_inputs).items()}
-            logits, values = model(input_ids, attention_mask,
-                                   model_inputs["row_positions"][s:s + mini_batch_size].transpose(0, 1),
-                                   **_image_inputs(model, input_ids, features))
-        else:
-            logits, values = model(input_ids, attention_mask)
+        # a VL batch: its image features, Qwen-VL's M-RoPE positions, Gemma 3's and PaliGemma's token types
+        features = {k: v[s:s + mini_batch_size] for k, v in _token_features(model_inputs).items()}
+        inputs = _image_inputs(model, input_ids, features)
+        if "row_positions" in model_inputs:
+            inputs["position_ids"] = model_inputs["row_positions"][s:s + mini_batch_size].transpose(0, 1)
+        if "token_type_ids" in model_inputs:
+            inputs["token_type_ids"] = model_inputs["token_type_ids"][s:s + mini_batch_size]
+        logits, values = model(input_ids, attention_mask, **inputs)
         logprobs = logprobs_from_logits(logits[:, :-1, :], input_ids[:, 1:])
         masks = torch.zeros_like(attention_mask)
         masks[:, :-1] = attention_mask[:, 1:]
@@ -635,7 +686,8 @@ def _trainable(model):
     return [p for p in model.parameters() if p.requires_grad]
 
 
-_MODEL_INPUTS = ("input_ids", "attention_mask", "row_positions")  # the last: a VL batch's, with its token_ features
+# the last two: a VL batch's (Qwen-VL's positions, Gemma 3's and PaliGemma's token types), with its token_ features
+_MODEL_INPUTS = ("input_ids", "attention_mask", "row_positions", "token_type_ids")
 
 
 def _minibatch_loss(model, mb: dict, args: PPOArgs):
@@ -738,13 +790,16 @@ def rollout(model, reward_model, prompt_features: list[dict], args: PPOArgs, eos
     score -> (queries, responses, scores f32[B]). Mini-batch m draws rollout_noise(seed, step, m), unless
     `noise` (f32[B, N, V]) is given. With `mm` (a VL template's collator context) the prompts bring their
     images and M-RoPE positions, and a fourth item comes back: the rows' vision inputs for ppo_step (per row
-    the query's positions, per-token image features and rope delta; the image-pad token's text features)."""
+    the query's positions, per-token image features and rope delta, a fixed-size tower's the query's image
+    features and Gemma's token types; the image-pad token's text features)."""
     collate = PromptDataCollator(pad_token_id, mm=mm)
     batch = collate(prompt_features)
     model.eval()
     vision = prompt_vision(model, batch)
     features = [] if vision is None else list(_token_features(vision))
-    rows = {"positions": [], "rope_deltas": [], **{_TOKEN + k: [] for k in features}}
+    mrope_rows = [] if vision is None or "position_ids" not in vision else ["positions", "rope_deltas"]
+    type_rows = [] if vision is None or "token_type_ids" not in vision else ["token_type_ids"]
+    rows = {k: [] for k in mrope_rows + type_rows + [_TOKEN + k for k in features]}
     queries, responses, scores = [], [], []
     for m, s in enumerate(range(0, len(prompt_features), args.mini_batch_size)):
         rows_mb = slice(s, s + args.mini_batch_size)
@@ -755,16 +810,18 @@ def rollout(model, reward_model, prompt_features: list[dict], args: PPOArgs, eos
             out = generate(model, ids, mask, q_noise, args, eos_token_ids, pad_token_id)
             q, r = trim_rollouts(ids, out, pad_token_id, eos_token_ids[0])
         else:
-            v = {"position_ids": vision["position_ids"][:, rows_mb], "rope_deltas": vision["rope_deltas"][rows_mb],
-                 **{_TOKEN + k: vision[_TOKEN + k][rows_mb] for k in features}}
+            v = {k: x[:, rows_mb] if k == "position_ids" else x[rows_mb] for k, x in vision.items()}
             out = generate(model, ids, mask, q_noise, args, eos_token_ids, pad_token_id, v)
             q, r = trim_rollouts(ids, out, pad_token_id, eos_token_ids[0], mask)
             for i, query in enumerate(q):
                 start = ids.shape[1] - len(query)
-                rows["positions"].append(v["position_ids"][:, i, start:])
+                if mrope_rows:
+                    rows["positions"].append(v["position_ids"][:, i, start:])
+                    rows["rope_deltas"].append(int(v["rope_deltas"][i, 0]))
+                if type_rows:
+                    rows["token_type_ids"].append(v["token_type_ids"][i, start:])
                 for k in features:
                     rows[_TOKEN + k].append(v[_TOKEN + k][i, start:])
-                rows["rope_deltas"].append(int(v["rope_deltas"][i, 0]))
         queries += q
         responses += r
         scores.append(get_rewards(reward_model, q, r, pad_token_id))

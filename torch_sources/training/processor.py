@@ -22,7 +22,7 @@ have no `"images"` key.
 
 from __future__ import annotations
 
-from .mm_plugin import process_messages, regularize_images
+from .mm_plugin import TowerPlugin, process_messages, regularize_images
 from .template import alpaca_to_messages
 
 __all__ = ["IGNORE_INDEX", "infer_seqlen", "preprocess_supervised_example", "preprocess_supervised_dataset",
@@ -47,11 +47,14 @@ def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple[int
 
 def preprocess_supervised_example(encoded_pairs: list[tuple[list[int], list[int]]], cutoff_len: int,
                                   train_on_prompt: bool = False, mask_history: bool = False,
-                                  efficient_eos_id: int | None = None) -> tuple[list[int], list[int]]:
+                                  efficient_eos_id: int | None = None,
+                                  prefix: tuple[list[int], list[int]] = ([], [])) -> tuple[list[int], list[int]]:
     """SupervisedDatasetProcessor._encode_data_example on template.encode_multiturn's pairs;
-    efficient_eos_id: the tokenizer's eos when the template has efficient_eos, else None."""
-    input_ids, labels = [], []
-    total_length = 0 if efficient_eos_id is None else 1  # room for the appended eos
+    efficient_eos_id: the tokenizer's eos when the template has efficient_eos, else None; prefix: the plugin's
+    process_token_ids([], []) (PaliGemma's image tokens), counted against cutoff_len (under mask_history the
+    reversed turns go before it, as in LF)."""
+    input_ids, labels = list(prefix[0]), list(prefix[1])
+    total_length = len(input_ids) + (0 if efficient_eos_id is None else 1)  # room for the appended eos
     if mask_history:
         encoded_pairs = encoded_pairs[::-1]  # the last turns get the budget first
     for turn_idx, (source_ids, target_ids) in enumerate(encoded_pairs):
@@ -94,6 +97,13 @@ def _expand_images(messages: list[dict], paths: list[str], template, media_dir) 
     return process_messages(messages, images, plugin)
 
 
+def _token_ids(input_ids: list[int], labels: list[int] | None, paths: list[str], template, tokenizer):
+    """mm_plugin.process_token_ids: a tower plugin's image tokens put into the ids (PaliGemma's before them)."""
+    if isinstance(template.mm_plugin, TowerPlugin):
+        return template.mm_plugin.process_token_ids(input_ids, labels, len(paths), tokenizer)
+    return input_ids, labels
+
+
 def _with_images(feature: dict, paths: list[str], template) -> dict:
     return feature if template.mm_plugin is None else {**feature, "images": paths}
 
@@ -116,7 +126,8 @@ def preprocess_supervised_dataset(examples: list[dict], tokenizer, template, cut
         pairs = template.encode_multiturn(tokenizer, messages, example.get("system") or None,
                                           discarding_history_cot)
         input_ids, labels = preprocess_supervised_example(
-            pairs, cutoff_len, train_on_prompt, mask_history, _efficient_eos_id(tokenizer, template))
+            pairs, cutoff_len, train_on_prompt, mask_history, _efficient_eos_id(tokenizer, template),
+            _token_ids([], [], paths, template, tokenizer))
         features.append(_with_images({"input_ids": input_ids, "attention_mask": [1] * len(input_ids),
                                       "labels": labels}, paths, template))
     return features
@@ -150,7 +161,8 @@ def preprocess_pairwise_dataset(examples: list[dict], tokenizer, template, cutof
             prompt + [{"role": "assistant", "content": example[key]}], paths, template, media_dir), system)
             for key in ("chosen", "rejected")]  # LF expands each (prompt, response) on its own
         eos = [tokenizer.eos_token_id] if template.efficient_eos else []  # appended before the cut, as in LF
-        features.append(_with_images(preprocess_pairwise_example(encoded[0][0], encoded[0][1] + eos,
+        prompt_ids, _ = _token_ids(encoded[0][0], None, paths, template, tokenizer)
+        features.append(_with_images(preprocess_pairwise_example(prompt_ids, encoded[0][1] + eos,
                                                                  encoded[1][1] + eos, cutoff_len), paths, template))
     return features
 
@@ -177,6 +189,7 @@ def preprocess_unsupervised_dataset(examples: list[dict], tokenizer, template, c
         prompt_ids, response_ids = template.encode_oneturn(tokenizer, messages, example.get("system") or None)
         if template.efficient_eos:  # the label gets the eos the assistant slot lacks (before the cut)
             response_ids = response_ids + [tokenizer.eos_token_id]
+        prompt_ids, _ = _token_ids(prompt_ids, None, paths, template, tokenizer)
         features.append(_with_images(preprocess_unsupervised_example(prompt_ids, response_ids, cutoff_len), paths,
                                      template))
     return features

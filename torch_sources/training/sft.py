@@ -86,7 +86,9 @@ def lora_config(args: TrainArgs) -> LoraConfig:
 
 
 def _fixed_tokenizer(tokenizer_dir, args: TrainArgs):
-    template = get_template(args.template)
+    """LF's load_tokenizer + get_template_and_fix_tokenizer: the template (a tower plugin bound to the processor
+    files beside the tokenizer, as LF loads the processor from the model dir) and the fixed tokenizer."""
+    template = get_template(args.template).bind(tokenizer_dir)
     return template, template.fix_special_tokens(load_tokenizer(tokenizer_dir))
 
 
@@ -153,12 +155,13 @@ def _batch_tensors(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 MODEL_INPUTS = {"position_ids": torch.long, "pixel_values": torch.float32, "image_grid_thw": torch.long,
-                "input_features": torch.float32, "feature_attention_mask": torch.long}
+                "input_features": torch.float32, "feature_attention_mask": torch.long,
+                "token_type_ids": torch.long, "image_sizes": torch.long}  # the last two: the towers' plugins
 
 
 def model_inputs(batch: dict) -> dict[str, torch.Tensor]:
-    """What a vision-language collator adds for the forward (M-RoPE positions, pixels, grids, and Omni's audio
-    features with their frame mask); {} for text."""
+    """What a vision-language collator adds for the forward (M-RoPE positions, pixels, grids, Omni's audio
+    features with their frame mask, Gemma's token types, LLaVA-NeXT's image sizes); {} for text."""
     return {k: torch.as_tensor(np.asarray(batch[k]), dtype=dtype) for k, dtype in MODEL_INPUTS.items() if k in batch}
 
 

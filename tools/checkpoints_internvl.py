@@ -9,7 +9,7 @@ downsample_ratio 0.5, projector_hidden_act, vision_feature_layer -1, strategy de
 hf-tiny-models.md): image 32, patch 8, so 16 patches a tile and 4 tokens after the 2x2 pixel shuffle.
 Tensors as the release stores them: `language_model.model.*` (Qwen2's, drawn by tools/checkpoints_qwen2.py's
 generator), `language_model.lm_head.weight`, `vision_tower.*`, `multi_modal_projector.*`.
-`python tools/make_vl_checkpoints.py internvl` reproduces the files byte for byte.
+`python tools/make_checkpoints.py internvl` reproduces the files byte for byte.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a pack
 from checkpoints_qwen2 import qwen2_tensors  # noqa: E402
 from make_checkpoints import normal, norm_weight, write_checkpoint  # noqa: E402
 
-__all__ = ["INTERNVL_SEED", "INTERNVL_IDS", "INTERNVL_CONFIG", "internvl_tower_tensors", "internvl_tensors",
-           "make_internvl"]
+__all__ = ["INTERNVL_SEED", "INTERNVL_IDS", "INTERNVL_CONFIG", "INTERNVL_GENERATION_CONFIG", "internvl_tower_tensors",
+           "internvl_tensors", "make_internvl"]
 
 INTERNVL_SEED = 37
 # ids 400.. in TOKENIZER's order (151643.. and 151665.. in the release)
@@ -36,6 +36,9 @@ INTERNVL_CONFIG = {
     "image_seq_length": 4,
     "image_token_id": INTERNVL_IDS["<IMG_CONTEXT>"],
     "model_type": "internvl",
+    # the untied head said at the top level too: transformers 5 reads only this key (default True), the release
+    # states it in text_config alone and relies on its stored head
+    "tie_word_embeddings": False,
     "projector_hidden_act": "gelu",
     "text_config": {
         "_attn_implementation_autoset": True,
@@ -47,7 +50,7 @@ INTERNVL_CONFIG = {
         "hidden_size": 64,
         "initializer_range": 0.02,
         "intermediate_size": 128,
-        "max_position_embeddings": 256,
+        "max_position_embeddings": 4096,
         "max_window_layers": 2,
         "model_type": "qwen2",
         "num_attention_heads": 4,
@@ -148,10 +151,17 @@ def internvl_tensors(config: dict, seed: int) -> dict[str, np.ndarray]:
     return t
 
 
+# Qwen2.5's generation ids (InternVL3's language model): stop at <|im_end|> or <|endoftext|>, pad with the latter
+INTERNVL_GENERATION_CONFIG = {"bos_token_id": INTERNVL_IDS["<|endoftext|>"],
+                              "eos_token_id": [INTERNVL_IDS["<|im_end|>"], INTERNVL_IDS["<|endoftext|>"]],
+                              "pad_token_id": INTERNVL_IDS["<|endoftext|>"]}
+
+
 def make_internvl(out_dir) -> Path:
     """Tiny InternVL3 (Qwen2 vocab 512, hidden 64, 2 layers, GQA 4/2, untied head; InternViT 2 x 32, 4 heads,
     image 32, patch 8; 4 tokens per tile)."""
-    return write_checkpoint(out_dir, INTERNVL_CONFIG, internvl_tensors(INTERNVL_CONFIG, INTERNVL_SEED))
+    return write_checkpoint(out_dir, INTERNVL_CONFIG, internvl_tensors(INTERNVL_CONFIG, INTERNVL_SEED),
+                            INTERNVL_GENERATION_CONFIG)
 
 
 # ---- this family's rows in the shared tool tables (found here by name: register once) ----
@@ -159,4 +169,24 @@ def make_internvl(out_dir) -> Path:
 # tools/make_tokenizer.py: Qwen's ChatML specials then InternVL's image markers, ids 400.. in this order (config.json's
 # image_token_id is <IMG_CONTEXT>'s); InternVL3-1B-hf's tokenizer_config: no bos, eos <|im_end|>, pad <|endoftext|>
 TOKENIZER = {"specials": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>"),
-             "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+             "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+             # the processor files beside the tokenizer (LF loads the processor from the model dir): InternVL3-1B-hf's
+             # at the tiny tower's tile (32 px): GotOcr2 tiles, crop_to_patches off, image_seq_length = tokens per tile
+             "processor": {"preprocessor_config.json": {
+                               "crop_to_patches": False, "do_convert_rgb": True, "do_normalize": True,
+                               "do_rescale": True, "do_resize": True, "image_mean": [0.485, 0.456, 0.406],
+                               "image_processor_type": "GotOcr2ImageProcessor", "image_std": [0.229, 0.224, 0.225],
+                               "max_patches": 12, "min_patches": 1, "resample": 3, "rescale_factor": 0.00392156862745098,
+                               "size": {"height": 32, "width": 32}},
+                           "processor_config.json": {"image_seq_length": 4, "processor_class": "InternVLProcessor"}}}
+
+# tools/checkpoints_small.py (scale=small): the release nests its text keys, so the small row replaces text_config
+# whole (Qwen2's small widths: hidden 768, 12 layers, GQA 12/4) and widens the tower to 4 blocks of 256 (the tile
+# and patch stay: 4 tokens a tile)
+SMALL_OVERRIDES = {
+    "text_config": {**INTERNVL_CONFIG["text_config"], "hidden_size": 768, "intermediate_size": 2048,
+                    "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 4, "vocab_size": 32000,
+                    "max_position_embeddings": 2048, "max_window_layers": 12},
+    "vision_config": {**INTERNVL_CONFIG["vision_config"], "hidden_size": 256, "intermediate_size": 1024,
+                      "num_hidden_layers": 4, "num_attention_heads": 4},
+}

@@ -6,7 +6,7 @@ a `text_config` (model_type gemma, hidden_activation, num_image_tokens, multi-qu
 the tiny sizes the release leaves to defaults (head_dim, image_size) and the tiny special ids. Tensors
 `language_model.model.*` (the Gemma decoder, tied: no head), `vision_tower.vision_model.*` (the SigLIP tower, as the
 release stores it) and `multi_modal_projector.linear.*`. Gemma norms store the offset from 1 (x_hat * (1 + w)):
-drawn around 0, so a norm that forgets the 1 shows. `python tools/make_vl_checkpoints.py paligemma` reproduces the files
+drawn around 0, so a norm that forgets the 1 shows. `python tools/make_checkpoints.py paligemma` reproduces the files
 byte for byte.
 """
 
@@ -123,4 +123,23 @@ def make_paligemma(out_dir) -> Path:
 
 # tools/make_tokenizer.py: PaliGemma's special tokens from 400 (the release: <pad> 0, <eos> 1, <bos> 2, <image> 257152)
 TOKENIZER = {"specials": ("<bos>", "<eos>", "<pad>", "<image>"),
-             "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
+             "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+             # the processor files beside the tokenizer (LF loads the processor from the model dir):
+             # paligemma-3b-pt-224's at the tiny tower's size (32 px), image_seq_length = the tower's patches
+             "processor": {"preprocessor_config.json": {
+                               "do_convert_rgb": None, "do_normalize": True, "do_rescale": True, "do_resize": True,
+                               "image_mean": [0.5, 0.5, 0.5], "image_processor_type": "SiglipImageProcessor",
+                               "image_seq_length": 16, "image_std": [0.5, 0.5, 0.5], "resample": 3,
+                               "rescale_factor": 0.00392156862745098, "size": {"height": 32, "width": 32}},
+                           "processor_config.json": {"image_seq_length": 16, "processor_class": "PaliGemmaProcessor"}}}
+
+# tools/checkpoints_small.py (scale=small): text_config replaced whole (Gemma's small widths: hidden 768, 12 layers,
+# 12 heads of 64, MQA), the projector into 768 (projection_dim, both levels), the SigLIP tower widened to 4 blocks of
+# 256 (image and patch stay: 16 tokens)
+SMALL_OVERRIDES = {
+    "vocab_size": 32000, "hidden_size": 768, "projection_dim": 768,
+    "text_config": {**PALIGEMMA_CONFIG["text_config"], "hidden_size": 768, "intermediate_size": 2048,
+                    "num_hidden_layers": 12, "num_attention_heads": 12, "head_dim": 64, "vocab_size": 32000},
+    "vision_config": {**PALIGEMMA_CONFIG["vision_config"], "hidden_size": 256, "intermediate_size": 1024,
+                      "num_hidden_layers": 4, "num_attention_heads": 4, "projection_dim": 768},
+}

@@ -8,7 +8,7 @@ and a SigLIP `vision_config` without its head. The tower sees 64 px in 8 px patc
 image tokens: more than the sliding window (8), so an image's block crosses the window and the sliding layers'
 AND(window, OR(causal, image)) composition is exercised. Tensors `language_model.model.*` (tied: no head),
 `vision_tower.vision_model.*`, `multi_modal_projector.{mm_input_projection_weight [in, out], mm_soft_emb_norm}`.
-`python tools/make_vl_checkpoints.py gemma3` reproduces the files byte for byte.
+`python tools/make_checkpoints.py gemma3` reproduces the files byte for byte.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package
-from vl_checkpoints_paligemma import PROJECTOR_STD, gemma_decoder_tensors, gemma_norm, siglip_tower_tensors  # noqa: E402
+from checkpoints_paligemma import PROJECTOR_STD, gemma_decoder_tensors, gemma_norm, siglip_tower_tensors  # noqa: E402
 from make_checkpoints import normal, write_checkpoint  # noqa: E402
 
 __all__ = ["GEMMA3_SEED", "GEMMA3_CONFIG", "GEMMA3_GENERATION_CONFIG", "gemma3_tensors", "make_gemma3"]
@@ -73,4 +73,24 @@ def make_gemma3(out_dir) -> Path:
 # <start_of_turn> 105, <end_of_turn> 106, <start_of_image> 255999, <end_of_image> 256000, <image_soft_token> 262144)
 TOKENIZER = {"specials": ("<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
                           "<end_of_image>", "<image_soft_token>"),
-             "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
+             "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+             # the processor files beside the tokenizer (LF loads the processor from the model dir): gemma-3-4b-it's
+             # at the tiny tower's size (64 px, BILINEAR), image_seq_length = mm_tokens_per_image
+             "processor": {"preprocessor_config.json": {
+                               "do_convert_rgb": None, "do_normalize": True, "do_pan_and_scan": None,
+                               "do_rescale": True, "do_resize": True, "image_mean": [0.5, 0.5, 0.5],
+                               "image_processor_type": "Gemma3ImageProcessor", "image_std": [0.5, 0.5, 0.5],
+                               "resample": 2, "rescale_factor": 0.00392156862745098, "size": {"height": 64, "width": 64}},
+                           "processor_config.json": {"image_seq_length": 16, "processor_class": "Gemma3Processor"}}}
+
+# tools/checkpoints_small.py (scale=small): text_config replaced whole (hidden 768, 12 layers of 12 heads of 64, GQA
+# 12/4, the release's five sliding layers to one full, a 256-token window), the SigLIP tower widened to 4 blocks of 256
+# (image, patch and the 16 pooled tokens stay)
+SMALL_OVERRIDES = {
+    "text_config": {**GEMMA3_CONFIG["text_config"], "hidden_size": 768, "intermediate_size": 2048,
+                    "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64,
+                    "query_pre_attn_scalar": 64, "sliding_window": 256, "sliding_window_pattern": 6,
+                    "vocab_size": 32000},
+    "vision_config": {**GEMMA3_CONFIG["vision_config"], "hidden_size": 256, "intermediate_size": 1024,
+                      "num_hidden_layers": 4, "num_attention_heads": 4},
+}

@@ -8,7 +8,7 @@ no rope keys: the default RoPE at LlamaConfig's theta 1e4), a `clip_vision_model
 (a 2-tile row, a 2-tile column or a 2 x 2 grid, plus the base tile). Tensors as the release names them:
 `language_model.model.*` and `language_model.lm_head.weight` (the Llama generator of tools/make_checkpoints.py),
 `vision_tower.vision_model.*`, `multi_modal_projector.*`, `image_newline`. Token ids 400 <s>, 401 </s>, 402 <unk>,
-403 <image> (`TOKENIZER`). `python tools/make_vl_checkpoints.py llava_next` reproduces the files byte for byte.
+403 <image> (`TOKENIZER`). `python tools/make_checkpoints.py llava_next` reproduces the files byte for byte.
 """
 
 from __future__ import annotations
@@ -123,4 +123,28 @@ def make_llava_next(out_dir) -> Path:
 # tools/make_tokenizer.py: vicuna's specials from 400 (<s>, </s>, <unk> are 1, 2, 0 there; <image> 32000); the
 # llava-hf vicuna tokenizer: bos <s>, eos </s>, unk <unk>, and <unk> as the pad
 TOKENIZER = {"specials": ("<s>", "</s>", "<unk>", "<image>"),
-             "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<unk>", "unk_token": "<unk>"}
+             "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<unk>", "unk_token": "<unk>",
+             # the processor files beside the tokenizer (LF loads the processor from the model dir): llava-v1.6's at
+             # the tiny tower's size (32 px tiles, the checkpoint's pinpoints)
+             "processor": {"preprocessor_config.json": {
+                               "crop_size": {"height": 32, "width": 32}, "do_center_crop": True,
+                               "do_convert_rgb": True, "do_normalize": True, "do_pad": True, "do_rescale": True,
+                               "do_resize": True, "image_grid_pinpoints": [[32, 64], [64, 32], [64, 64]],
+                               "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                               "image_processor_type": "LlavaNextImageProcessor",
+                               "image_std": [0.26862954, 0.26130258, 0.27577711], "resample": 3,
+                               "rescale_factor": 0.00392156862745098, "size": {"shortest_edge": 32}},
+                           "processor_config.json": {"num_additional_image_tokens": 1, "patch_size": 8,
+                                                     "processor_class": "LlavaNextProcessor",
+                                                     "vision_feature_select_strategy": "default"}}}
+
+# tools/checkpoints_small.py (scale=small): text_config replaced whole (Llama's small widths: hidden 768, 12 layers,
+# 12 heads), the CLIP tower widened to 4 blocks of 256 (tiles and pinpoints stay)
+SMALL_OVERRIDES = {
+    "vocab_size": 32000,
+    "text_config": {**LLAVA_NEXT_CONFIG["text_config"], "hidden_size": 768, "intermediate_size": 2048,
+                    "num_hidden_layers": 12, "num_attention_heads": 12, "vocab_size": 32000,
+                    "max_position_embeddings": 2048},
+    "vision_config": {**LLAVA_NEXT_CONFIG["vision_config"], "hidden_size": 256, "intermediate_size": 1024,
+                      "num_hidden_layers": 4, "num_attention_heads": 4},
+}
