@@ -337,10 +337,19 @@ def rescale(image: np.ndarray, scale: float) -> np.ndarray:
     return (image.astype(np.float64) * scale).astype(np.float32)
 
 
+def _check_channels(channels: int, mean, std) -> None:
+    """HF's normalize refuses a mean or std of another length than the image's channels (a grey image where
+    do_convert_rgb is off); broadcasting would make one channel three."""
+    for name, values in (("mean", mean), ("std", std)):
+        if len(values) != channels:
+            raise ValueError(f"{name} must have {channels} elements if it is an iterable, got {len(values)}")
+
+
 def normalize(image: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
     """f32[C,H,W] -> f32[C,H,W]: (x - mean) / std in float32, mean and std cast to float32 first (as HF)."""
     if not np.issubdtype(image.dtype, np.floating):
         image = image.astype(np.float32)
+    _check_channels(image.shape[0], mean, std)
     mean_a = np.asarray(mean, dtype=image.dtype)[:, None, None]
     std_a = np.asarray(std, dtype=image.dtype)[:, None, None]
     return (image - mean_a) / std_a

@@ -2,7 +2,8 @@
 
 torch is the 2.13.0 CPU build, llamafactory 0.9.5 and its pinned stack import (torchaudio met by the stand-in of
 lf_child.py, torchvision absent), pip's consistency check names nothing but the two left out on purpose, and the
-TRL overlay (argv[1]) gives TRL 0.9.6 to a child that puts it first on its path.
+TRL overlay (argv[1]) gives TRL 0.9.6 and the Pillow overlay (argv[2]) Pillow 13.0.0 to a child that puts it first
+on its path.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ EXPECTED = {"torch": "2.13.0+cpu", "llamafactory": "0.9.5", "transformers": "5.6
 LEFT_OUT = ("torchvision", "torchaudio")
 
 
-def main(overlay: str) -> int:
+def main(overlay: str, pillow_overlay: str) -> int:
     problems = [f"{name} {metadata.version(name)} (expected {version})" for name, version in EXPECTED.items()
                 if metadata.version(name) != version]
     for name in LEFT_OUT:
@@ -42,6 +43,12 @@ def main(overlay: str) -> int:
                            capture_output=True, text=True, env={**os.environ})
     if probe.stdout.split() != ["0.9.6", "0.9.6"]:
         problems.append(f"the TRL overlay {overlay} gives {probe.stdout.strip() or probe.stderr.strip()[-300:]}")
+    probe = subprocess.run([sys.executable, "-I", "-c", "import sys; sys.path.insert(0, sys.argv[1]); import PIL, "
+                            "PIL.Image, importlib.metadata as m; print(PIL.__version__, m.version('pillow'))",
+                            pillow_overlay], capture_output=True, text=True, env={**os.environ})
+    if probe.stdout.split() != ["13.0.0", "13.0.0"]:
+        problems.append(f"the Pillow overlay {pillow_overlay} gives "
+                        f"{probe.stdout.strip() or probe.stderr.strip()[-300:]}")
     for problem in problems:
         print("lf-env:", problem, file=sys.stderr)
     print("lf-env: ok" if not problems else f"lf-env: {len(problems)} problem(s)")
@@ -49,4 +56,4 @@ def main(overlay: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], sys.argv[2]))

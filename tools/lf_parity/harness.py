@@ -35,6 +35,9 @@ LF_PYTHON = ROOT / ".venv-lf" / "bin" / "python"
 # LF 0.9.5's PPO trainer needs TRL 0.8.6-0.9.6 (it checks), its package metadata pins trl 0.24.0: make lf-env puts
 # trl 0.9.6 in an overlay that only the PPO child sees, first on its PYTHONPATH
 TRL_OVERLAY = ROOT / ".venv-lf" / "overlays" / "trl-0.9.6"
+# The project's Pillow (13.0.0) for the runs with images: LF's lock holds 11.3.0, whose two-pass downscale runs the
+# passes in another order on tall images (a grey level apart); the "pillow" effect run leaves it out
+PILLOW_OVERLAY = ROOT / ".venv-lf" / "overlays" / "pillow-13.0.0"
 CHILD = Path(__file__).with_name("lf_child.py")
 
 # LF stage, its get_dataset stage, its workflow module and trainer class, the dataset_info columns of the task's data
@@ -159,10 +162,16 @@ class Job:
     lf_overrides: dict = field(default_factory=lambda: dict(LF_EAGER))  # LF-only arguments
     media_dir: Path | None = None  # rows with images: LF's media_dir (the args' media_dir, else the data dir)
     model_type: str | None = None  # the checkpoint's (config.json)
+    pillow_overlay: bool = True  # with images: LF runs on the project's Pillow (PILLOW_OVERLAY), else its own
 
     @property
     def mm(self) -> bool:
         return self.media_dir is not None
+
+    @property
+    def tower(self) -> bool:
+        """A fixed-size tower's family (issue 34): its processor files lie beside the tokenizer."""
+        return self.mm and (self.tokenizer / "preprocessor_config.json").exists()
 
 
 def data_has_images(data: Path) -> bool:
@@ -201,7 +210,13 @@ def model_dir(job: Job, checkpoint: Path | None = None, name: str = "model") -> 
         link = out / src.name
         if not link.exists():
             link.symlink_to(src.resolve())
-    if job.mm and checkpoint is None:
+    if job.tower and checkpoint is None:
+        # the fixed-size towers (issue 34): the release's processor files already lie beside the tokenizer (linked
+        # above); only the token names transformers' processor reads off the tokenizer are added (RELEASE_TOKEN_NAMES)
+        from tools.lf_parity.plugins import with_release_token_names
+
+        with_release_token_names(out, job.model_type)
+    elif job.mm and checkpoint is None:
         if job.model_type not in RELEASE_PREPROCESSOR:
             raise NotImplementedError(f"no release preprocessor_config.json for {job.model_type!r} "
                                       f"(harness.RELEASE_PREPROCESSOR): LF could not build its processor")
@@ -347,15 +362,22 @@ def run_lf(job: Job, timeout_s: float = 1800, extra: dict | None = None) -> dict
             "trainer": METHODS[job.method][2][1],
             "args": args, "train": job.train, "variants": job.variants,
             "orders": project_order(job, n_train) if job.train and job.method != "ppo" else None,
-            "mm": job.mm, "record_batches": job.mm and job.train and job.method != "ppo",
+            "mm": job.mm, "tower": job.tower, "record_batches": job.mm and job.train and job.method != "ppo",
             "adapter_renames": ADAPTER_RENAMES.get(job.model_type, []),
             "video_processor_standin": RELEASE_VIDEO_PREPROCESSOR.get(job.model_type) if job.mm else None, **extra}
     (job.work / "job.json").write_text(json.dumps(spec, indent=1))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    overlays = []
+    if job.mm and job.pillow_overlay:
+        overlays.append(PILLOW_OVERLAY)
     if job.method == "ppo" and job.train:
-        if not TRL_OVERLAY.exists():
-            raise FileNotFoundError(f"{TRL_OVERLAY} is missing: run `make lf-env` (it installs TRL 0.9.6 there)")
-        env["PYTHONPATH"] = str(TRL_OVERLAY)
+        overlays.append(TRL_OVERLAY)
+    for overlay in overlays:
+        if not overlay.exists():
+            raise FileNotFoundError(f"{overlay} is missing: run `make lf-env` (it installs the overlays)")
+    if overlays:
+        env["PYTHONPATH"] = os.pathsep.join(map(str, overlays))
+    if job.method == "ppo" and job.train:
         # LF's check_dependencies wants trl>=0.18 and its PPO trainer trl<=0.9.6; the PPO trainer's error message
         # gives this very fix (its own require_version still runs, and passes on the overlay's 0.9.6)
         env["DISABLE_VERSION_CHECK"] = "1"

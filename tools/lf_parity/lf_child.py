@@ -29,7 +29,9 @@ after training (every eval_* metric), and the adapter LF saved. All of it goes t
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -130,7 +132,38 @@ IMAGE_PROCESSOR_FIELDS = ("patch_size", "temporal_patch_size", "merge_size", "im
                           "resample", "do_rescale", "rescale_factor", "do_normalize", "do_convert_rgb")
 
 
-def mm_facts(template, processor) -> dict | None:
+# a fixed-size tower's processor (issue 34: Gemma 3, PaliGemma, LLaVA-NeXT, InternVL): its image processor's tiling
+# and size settings, and what the processor itself holds (tokens per image, LLaVA-NeXT's feature arithmetic, the
+# image tokens it read off the tokenizer); None where the class has no such attribute
+TOWER_IMAGE_FIELDS = ("size", "crop_size", "image_grid_pinpoints", "do_center_crop", "do_pad", "crop_to_patches",
+                      "min_patches", "max_patches", "do_pan_and_scan")
+TOWER_PROCESSOR_FIELDS = ("image_seq_length", "num_additional_image_tokens", "patch_size",
+                          "vision_feature_select_strategy", "image_token", "boi_token", "full_image_sequence",
+                          "start_image_token", "end_image_token")
+COMMON_IMAGE_FIELDS = IMAGE_PROCESSOR_FIELDS[3:]  # image_mean ... do_convert_rgb
+
+
+def plain(value):
+    """A processor attribute as JSON: tuples as lists, size dicts (transformers 5's SizeDict is a dataclass) as
+    dicts without their None entries."""
+    if isinstance(value, (tuple, list)):
+        return [plain(v) for v in value]
+    if dataclasses.is_dataclass(value):
+        value = dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items() if v is not None}
+    return value
+
+
+def tower_facts(processor) -> dict:
+    image = processor.image_processor
+    facts = {k: plain(getattr(image, k, None)) for k in (*COMMON_IMAGE_FIELDS, *TOWER_IMAGE_FIELDS)}
+    facts.update({f"processor_{k}": plain(getattr(processor, k, None)) for k in TOWER_PROCESSOR_FIELDS})
+    facts["resample"] = int(facts["resample"]) if facts["resample"] is not None else None
+    return facts
+
+
+def mm_facts(template, processor, tower: bool = False) -> dict | None:
     """A template with an image token: its plugin (LF's name for it, its tokens), the pixel bounds LF's
     patch_processor put on the processor, and the image processor LF loaded (its class and settings, size as
     min/max pixels)."""
@@ -144,10 +177,13 @@ def mm_facts(template, processor) -> dict | None:
     if processor is None:
         return {**facts, "processor": None}
     image = processor.image_processor
-    size = dict(getattr(image, "size", None) or {})
     facts.update(processor=type(processor).__name__, image_processor=type(image).__name__,
                  image_max_pixels=getattr(processor, "image_max_pixels", None),
-                 image_min_pixels=getattr(processor, "image_min_pixels", None),
+                 image_min_pixels=getattr(processor, "image_min_pixels", None))
+    if tower:
+        return {**facts, **tower_facts(processor)}
+    size = dict(getattr(image, "size", None) or {})
+    facts.update(
                  min_pixels=size.get("shortest_edge"), max_pixels=size.get("longest_edge"),
                  **{k: (list(v) if isinstance(v, tuple) else v) for k in IMAGE_PROCESSOR_FIELDS
                     for v in [getattr(image, k, None)]})
@@ -203,12 +239,14 @@ def main(work: Path) -> None:
         seen.setdefault("pad_token_id", tokenizer_module["tokenizer"].pad_token_id)
         seen.setdefault("template", template_facts(template, tokenizer_module["tokenizer"]))
         if job.get("mm"):
-            seen.setdefault("mm", mm_facts(template, tokenizer_module["processor"]))
+            seen.setdefault("mm", mm_facts(template, tokenizer_module["processor"], bool(job.get("tower"))))
 
     def write(**more):
         seen.pop("micro", None)
         (out / "result.json").write_text(json.dumps({**seen, "torchaudio_standin": shim, "no_video_processor": no_video,
-                                                      "llamafactory": llamafactory.__version__, **more}, default=str))
+                                                      "llamafactory": llamafactory.__version__,
+                                                      "pillow": importlib.metadata.version("pillow"), **more},
+                                                     default=str))
 
     if job.get("train", True):
         try:

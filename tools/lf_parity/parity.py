@@ -10,7 +10,7 @@ import numpy as np
 
 from catalog.provenance import ROOT
 from torch_sources.training import dpo, ppo, template
-from torch_sources.training.mm_plugin import find_medias
+from torch_sources.training.mm_plugin import TowerPlugin, find_medias, read_processor_files
 from tools.lf_parity import compare
 from tools.lf_parity.harness import (PPO_CONFIG, RELEASE_PREPROCESSOR, Job, make_job, ppo_injections,
                                      project_batches, project_rows, project_run, run_lf,
@@ -28,6 +28,14 @@ TRAIN_VARIANTS = {
     "ppo": {},
 }
 
+# LF as it is on Pillow: the compared runs with images put the project's Pillow first on LF's path
+# (harness.PILLOW_OVERLAY); this run leaves LF's own 11.3.0, and measures what the pass order moves
+PILLOW = ("LF's lock holds Pillow 11.3.0 (gradio's pin), the project 13.0.0; Pillow 13.0 runs a downscale's two "
+          "resampling passes vertical-first where the height shrinks by more than twice the width (11.3 always "
+          "horizontal-first), so a tall image's pixels move by a grey level (python -m tools.lf_parity.plugins: "
+          "identical under one Pillow). The compared run gives LF the project's Pillow; this one leaves LF's own: "
+          "what the pass order moves, measured, not judged")
+
 # why a cell has nothing to compare, where that is by design
 NOT_COMPARABLE = {
     ("sft", "metrics"): "SFT logs only its loss (compared in losses)",
@@ -37,15 +45,15 @@ NOT_COMPARABLE = {
 PPO_LOSSES = ("ppo/loss/policy", "ppo/loss/value", "ppo/loss/total")
 # A vision-language PPO task: LF's own run is attempted (train_ppo as for text, nothing injected yet when it
 # stops) and where it stops is recorded; the run's cells carry this reason and that message
-VL_PPO = ("LF 0.9.5's PPO cannot run a Qwen-VL model (transformers 5.6, TRL 0.9.6): TRL's "
+VL_PPO = ("LF 0.9.5's PPO cannot run a vision-language model (transformers 5.6, TRL 0.9.6): TRL's "
           "PPOTrainer.prepare_dataloader drops every dataset column its value-head model's forward does not name "
           "(PPOConfig.remove_unused_columns, True by default; LF leaves it), images and labels among them, so LF's "
           "multimodal collator sees a batch without images, adds its fake image and writes its IGNORE_INDEX labels "
           "in front of features[0]['labels'], which is gone; and past that, ppo_train hands get_inputs (generate) "
           "and the PPO step only input_ids and attention_mask. The value head itself is built (LF's "
           "configure_visual_model copies text_config.hidden_size to the top-level config). The project's VL PPO "
-          "keeps the images and passes pixels, grids and M-RoPE positions to generation and the forward "
-          "(docs/ARCHITECTURE.md, torch_sources/training/ppo.py)")
+          "keeps the images and passes the pixels, and what each family adds (grids and M-RoPE positions, token "
+          "types, image sizes), to generation and the forward (docs/ARCHITECTURE.md, torch_sources/training/ppo.py)")
 VL_PPO_STOP = "KeyError: 'labels'"  # the message LF's run must stop with for VL_PPO to be the reason
 VL_PPO_CELLS = ("losses", "adapter", "metrics", "config")
 # Qwen2.5-Omni's PPO stops earlier, building its value head (observed: the message below, before any dataset column)
@@ -185,7 +193,7 @@ def _vl_ppo_parity(job: Job, record: dict) -> None:
     why, expected = PPO_STOPS.get(job.model_type, (VL_PPO, VL_PPO_STOP))
     try:
         run_lf(job, extra=extra)
-        stop, error = None, "LF's PPO ran on a Qwen-VL model: compare it (parity._ppo_parity) instead"
+        stop, error = None, "LF's PPO ran on a vision-language model: compare it (parity._ppo_parity) instead"
     except RuntimeError as failure:
         lines = [line for line in str(failure).splitlines() if line.strip()]
         stop = lines[-1].strip() if lines else str(failure)
@@ -226,11 +234,80 @@ def _mm_loss_finding(job: Job, lf: dict, cells: dict, prefix: str, result) -> bo
     return True
 
 
+# a plugin's facts LF has and the source, by design, does not: not compared, the reason in the cell's note
+MM_NOT_COMPARED = {"intern_vl": {"video_token": "LF's intern_vl template registers a video token; the source's tower "
+                                                "plugins take images only and refuse a video (the data has none)"}}
+# Gemma 3 under LF's transformers 5.6: on a sliding layer the image block's bidirectional attention is OR-ed in after
+# the window, so image tokens farther apart than sliding_window see each other; transformers 5.24 (the fidelity
+# target, tests/models/test_gemma3_model.py) and the source cut them at the window, AND(window, OR(causal, block)).
+# The tiny checkpoint's 16-token image blocks exceed its window of 8; a release's 256 tokens sit inside its 1024.
+GEMMA3_WINDOW = ("transformers 5.6 (LF's lock) ORs Gemma 3's image-block mask in after the sliding window, 5.24 (the "
+                 "source's fidelity target) keeps the window over it: with the tiny checkpoint's 16 image tokens "
+                 "past its window of 8, logits differ by up to 1.67 on one batch; with the window at 64 (no block "
+                 "past it) by 2.6e-6 (python -m tools.lf_parity.gemma3_window). A release (window 1024, 256 tokens "
+                 "an image) is unaffected")
+# the transformers 5.6 class each tower's source processor is bit-equal to (tests/models/test_*_processing.py), LF's
+# PIL backend where torchvision is absent
+TOWER_IMAGE_PROCESSORS = {"gemma3": "Gemma3ImageProcessorPil", "paligemma": "SiglipImageProcessorPil",
+                          "llava_next": "LlavaNextImageProcessorPil", "intern_vl": "GotOcr2ImageProcessorPil"}
+
+
+def _tower_size(plugin) -> tuple[dict, dict | None]:
+    """The source config's size and crop_size as HF's size dicts."""
+    c = plugin.image_processor
+    if hasattr(c, "shortest_edge"):  # LLaVA-NeXT's CLIP-style processor
+        return {"shortest_edge": c.shortest_edge}, {"height": c.crop_size[0], "width": c.crop_size[1]}
+    if hasattr(c, "height"):  # SigLIP, Gemma 3
+        return {"height": c.height, "width": c.width}, None
+    return {"height": c.size[0], "width": c.size[1]}, None  # GotOcr2 (InternVL): one tile
+
+
+def _tower_ours(job: Job, plugin) -> dict:
+    """A bound TowerPlugin as lf_child.mm_facts(tower=True) reports LF's: the plugin, the processor class the
+    release names, the image processor class the source is bit-equal to, and each setting both read."""
+    c, proc = plugin.image_processor, plugin.processor_config
+    pre, _ = read_processor_files(job.tokenizer)
+    size, crop = _tower_size(plugin)
+    # what transformers' processor holds: the token it expands each image into (InternVL's is the context token),
+    # Gemma 3's whole image sequence, InternVL's framing (the source's expansions: mm_plugin.internvl_expand)
+    tokens = {"processor_image_token": plugin.image_token, "processor_boi_token": None,
+              "processor_full_image_sequence": None, "processor_start_image_token": None,
+              "processor_end_image_token": None}
+    if plugin.name == "gemma3":
+        tokens.update(processor_boi_token=plugin.boi_token, processor_full_image_sequence=(
+            f"\n\n{plugin.boi_token}{plugin.image_token * plugin.image_seq_length}{plugin.eoi_token}\n\n"))
+    if plugin.name == "intern_vl":
+        tokens.update(processor_image_token="<IMG_CONTEXT>", processor_start_image_token="<img>",
+                      processor_end_image_token="</img>")
+    return {"plugin": plugin.name, "image_token": plugin.image_token, "video_token": None, "audio_token": None,
+            "vision_bos_token": None, "vision_eos_token": None, "expand_mm_tokens": True,
+            "processor": proc.get("processor_class"), "image_processor": TOWER_IMAGE_PROCESSORS[plugin.name],
+            "image_max_pixels": plugin.image_max_pixels, "image_min_pixels": plugin.image_min_pixels,
+            **{k: (list(v) if isinstance(v, tuple) else v) for k in ("image_mean", "image_std", "do_resize",
+                                                                      "resample", "do_rescale", "rescale_factor",
+                                                                      "do_normalize", "do_convert_rgb")
+               for v in [getattr(c, k)]},
+            "size": size, "crop_size": crop,
+            "image_grid_pinpoints": ([list(p) for p in c.image_grid_pinpoints]
+                                     if hasattr(c, "image_grid_pinpoints") else None),
+            "do_center_crop": getattr(c, "do_center_crop", None), "do_pad": getattr(c, "do_pad", None),
+            "crop_to_patches": getattr(c, "crop_to_patches", None), "min_patches": getattr(c, "min_patches", None),
+            "max_patches": getattr(c, "max_patches", None),
+            # the source refuses pan-and-scan on and keeps the file's off value (the releases ship null)
+            "do_pan_and_scan": pre.get("do_pan_and_scan", False) if plugin.name == "gemma3" else None,
+            "processor_image_seq_length": proc.get("image_seq_length"),
+            "processor_num_additional_image_tokens": proc.get("num_additional_image_tokens"),
+            "processor_patch_size": proc.get("patch_size"),
+            "processor_vision_feature_select_strategy": proc.get("vision_feature_select_strategy"), **tokens}
+
+
 def _mm_ours(job: Job) -> dict | None:
     """The source's mm plugin as lf_child.mm_facts reports LF's (None: a template without one)."""
-    plugin = template.get_template(job.args.template).mm_plugin
+    plugin = template.get_template(job.args.template).bind(job.tokenizer).mm_plugin
     if plugin is None:
         return None
+    if isinstance(plugin, TowerPlugin):
+        return _tower_ours(job, plugin)
     c = plugin.image_processor
     audio = {}
     if plugin.audio_token is not None:  # Qwen2OmniPlugin: its audio span and the release's WhisperFeatureExtractor
@@ -273,12 +350,16 @@ def template_cell(job: Job, lf: dict) -> dict:
                 generation_eos_ids=list(ppo.generation_ids(job.tokenizer, job.args)[0]))
     wrong = [f"{k}: LF {facts.get(k)!r}, source {ours.get(k)!r}" for k in facts if facts.get(k) != ours.get(k)]
     n = len(facts)
+    notes = []
     if job.mm or lf.get("mm"):
         lf_mm, our_mm = lf.get("mm") or {}, _mm_ours(job) or {}
+        skip = MM_NOT_COMPARED.get(our_mm.get("plugin"), {})
         wrong += [f"mm {k}: LF {lf_mm.get(k)!r}, source {our_mm.get(k)!r}" for k in sorted(lf_mm.keys() | our_mm.keys())
-                  if lf_mm.get(k) != our_mm.get(k)]
-        n += len(our_mm)
-    return {"max_abs": 0.0 if not wrong else None, "n": n, "error": "; ".join(wrong) or None}
+                  if lf_mm.get(k) != our_mm.get(k) and k not in skip]
+        notes += [f"mm {k} not compared (LF {lf_mm.get(k)!r}): {why}" for k, why in skip.items()]
+        n += len(our_mm) - len(skip)
+    cell = {"max_abs": 0.0 if not wrong else None, "n": n, "error": "; ".join(wrong) or None}
+    return {**cell, "note": "; ".join(notes)} if notes else cell
 
 
 def _source_rows(job: Job, overrides: dict) -> dict:
@@ -341,8 +422,16 @@ def task_parity(task: str, work: Path, train_variants: bool = True, ppo_effects:
             cells[f"{variant}.{name}"] = cell if reason is None else {**cell, "reason": reason}
         if reason is None:
             _mm_loss_finding(vjob, vlf, cells, f"{variant}.", vresult)
+    if job.mm and job.train and job.method != "ppo" and train_variants:
+        pjob = Job(**{**job.__dict__, "work": work / "pillow", "variants": {}, "pillow_overlay": False})
+        for name, cell in _run_cells(pjob, run_lf(pjob), result).items():
+            cells[f"pillow.{name}"] = {**cell, "reason": PILLOW}
     for (method, name), reason in NOT_COMPARABLE.items():
         if method == job.method:
             cells.setdefault(name, {"max_abs": None, "n": 0, "error": None, "reason": reason})
     _audio_chunk_findings(job, cells)
+    if job.model_type == "gemma3":  # still judged: LF on its transformers differs
+        for name, cell in cells.items():
+            if name.split(".")[-1] in ("losses", "adapter", "eval", "metrics") and "reason" not in cell:
+                cell["finding"] = GEMMA3_WINDOW
     return record

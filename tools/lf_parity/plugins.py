@@ -93,7 +93,13 @@ def model_dir(family: str, out: Path) -> Path:
     for src in [*(assets / "checkpoints" / family).iterdir(), *(assets / "tokenizer" / family).iterdir()]:
         if not (out / src.name).exists():
             (out / src.name).symlink_to(src.resolve())
-    if family in RELEASE_TOKEN_NAMES:
+    return with_release_token_names(out, family)
+
+
+def with_release_token_names(out: Path, family: str) -> Path:
+    """out/tokenizer_config.json (a link to the tiny tokenizer's) rewritten as a file with the family's
+    RELEASE_TOKEN_NAMES under extra_special_tokens; nothing for a family without them, nothing twice."""
+    if family in RELEASE_TOKEN_NAMES and (out / "tokenizer_config.json").is_symlink():
         config = json.loads((out / "tokenizer_config.json").read_text())
         (out / "tokenizer_config.json").unlink()  # the link: written anew, the tiny tokenizer's file untouched
         extra = {**config.get("extra_special_tokens", {}), **RELEASE_TOKEN_NAMES[family]}

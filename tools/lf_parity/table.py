@@ -18,7 +18,7 @@ PARITY = (("tokens", ("tokens",)), ("template", ("template",)), ("collated batch
           ("hf_loss_kwargs run", tuple(f"hf_loss_kwargs.{v}{c}" for v in ("", "train_on_prompt.")
                                        for c in ("losses", "adapter", "eval", "batches"))),
           ("source vs reference", ("reference",)))
-EFFECTS = ("sdpa", "autocast", "clip_once", "no_decay_wd", "last_step_sync")
+EFFECTS = ("sdpa", "autocast", "clip_once", "no_decay_wd", "last_step_sync", "pillow")
 
 
 def failing_cells(record: dict) -> list[str]:

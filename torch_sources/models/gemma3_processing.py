@@ -34,5 +34,7 @@ class Gemma3ImageProcessorConfig(SiglipImageProcessorConfig):
 
     @classmethod
     def gemma3(cls) -> "Gemma3ImageProcessorConfig":
-        """google/gemma-3-4b-it's preprocessor_config.json: 896 x 896, BILINEAR, mean and std 0.5, no pan-and-scan."""
-        return cls(height=896, width=896, resample=2, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5))
+        """google/gemma-3-4b-it's preprocessor_config.json: 896 x 896, BILINEAR, mean and std 0.5, no pan-and-scan,
+        do_convert_rgb null."""
+        return cls(height=896, width=896, resample=2, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
+                   do_convert_rgb=None)

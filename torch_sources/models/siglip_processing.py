@@ -35,7 +35,7 @@ class SiglipImageProcessorConfig:
     do_rescale: bool = True
     rescale_factor: float = 1 / 255
     do_normalize: bool = True
-    do_convert_rgb: bool = True
+    do_convert_rgb: bool | None = True  # a release file's null is kept: HF converts only when it is truthy
 
     def __post_init__(self):
         if self.resample not in (2, 3):
@@ -43,21 +43,24 @@ class SiglipImageProcessorConfig:
 
     @classmethod
     def from_hf(cls, d: dict) -> "SiglipImageProcessorConfig":
-        """A preprocessor_config.json dict: size {height, width} (nothing else is a fixed size), the flags; None
-        keeps the class default, as HF does."""
+        """A preprocessor_config.json dict: size {height, width} (nothing else is a fixed size), the flags; a key
+        the file leaves out keeps the class default, an explicit null is kept, as HF's from_pretrained does (the
+        PaliGemma and Gemma 3 releases ship "do_convert_rgb": null, and their processors then convert nothing)."""
         size = d.get("size") or {"height": cls.height, "width": cls.width}
         if set(size) != {"height", "width"}:
             raise ValueError(f"size={size!r}: only a fixed {{height, width}} is here")
-        kw = {f.name: d[f.name] for f in fields(cls) if d.get(f.name) is not None and f.name not in ("height", "width")}
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d and f.name not in ("height", "width")}
         for key in ("image_mean", "image_std"):
-            if key in kw:
+            if kw.get(key) is not None:
                 kw[key] = tuple(kw[key]) if isinstance(kw[key], (list, tuple)) else (float(kw[key]),) * 3
         return cls(height=size["height"], width=size["width"], **kw)
 
     @classmethod
     def paligemma(cls) -> "SiglipImageProcessorConfig":
-        """google/paligemma-3b-pt-224's preprocessor_config.json: 224 x 224, BICUBIC, mean and std 0.5."""
-        return cls(height=224, width=224, resample=3, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5))
+        """google/paligemma-3b-pt-224's preprocessor_config.json: 224 x 224, BICUBIC, mean and std 0.5, do_convert_rgb
+        null."""
+        return cls(height=224, width=224, resample=3, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
+                   do_convert_rgb=None)
 
 
 def process_image(image: np.ndarray, config: SiglipImageProcessorConfig) -> torch.Tensor:

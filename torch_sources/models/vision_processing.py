@@ -183,10 +183,19 @@ def rescale(image: torch.Tensor, scale: float) -> torch.Tensor:
     return (image.to(torch.float64) * scale).to(torch.float32)
 
 
+def _check_channels(channels: int, mean, std) -> None:
+    """HF's normalize refuses a mean or std of another length than the image's channels (a grey image where
+    do_convert_rgb is off); broadcasting would make one channel three."""
+    for name, values in (("mean", mean), ("std", std)):
+        if len(values) != channels:
+            raise ValueError(f"{name} must have {channels} elements if it is an iterable, got {len(values)}")
+
+
 def normalize(image: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
     """f32[C,H,W] -> f32[C,H,W]: (x - mean) / std in float32, mean and std cast to float32 first (as HF)."""
     if not image.is_floating_point():
         image = image.to(torch.float32)
+    _check_channels(image.shape[0], mean, std)
     mean_t = torch.tensor(mean, dtype=image.dtype)[:, None, None]
     std_t = torch.tensor(std, dtype=image.dtype)[:, None, None]
     return (image - mean_t) / std_t
