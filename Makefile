@@ -16,7 +16,8 @@ JOBS   ?= 2
 TEST_JOBS ?= 2
 PYTEST := $(PY) -m pytest -q -p no:randomly
 
-.PHONY: lf-env lf-parity venv verifier sandbox record record-all grade grade-all calibrate stability coverage-torch sweep test test-full bench assets stale clean-venv
+
+.PHONY: export locks lf-env lf-parity venv verifier sandbox record record-all grade grade-all calibrate stability coverage-torch sweep test test-full bench assets stale clean-venv harbor-env
 
 venv: $(STAMP)
 
@@ -77,7 +78,7 @@ sweep: venv sandbox   ## seeded-defect sweep of every recorded task (hours on 2 
 # torch==2.13.0 first (the CPU build on this disk), then the lock with --no-deps: pip's own resolution of llamafactory
 # would pull torchvision 0.28 / torchaudio 2.11, which do not load against torch 2.13 (tools/lf_parity/README.md).
 # LF's PPO trainer needs TRL <= 0.9.6 while the package pins 0.24: TRL 0.9.6 goes to an overlay only the PPO run sees.
-$(LFSTAMP): tools/lf_parity/requirements.lock tools/lf_parity/requirements-ppo-overlay.lock
+$(LFSTAMP): tools/lf_parity/requirements.lock tools/lf_parity/requirements-ppo-overlay.lock tools/lf_parity/requirements-pillow-overlay.lock
 	test -x $(LFPY) || python3 -m venv $(VENV_LF)
 	$(LFPY) -m pip install -q --upgrade pip
 	$(LFPY) -m pip install -q torch==2.13.0
@@ -85,7 +86,10 @@ $(LFSTAMP): tools/lf_parity/requirements.lock tools/lf_parity/requirements-ppo-o
 	rm -rf $(VENV_LF)/overlays/trl-0.9.6
 	$(LFPY) -m pip install -q --no-deps --target $(VENV_LF)/overlays/trl-0.9.6 -r tools/lf_parity/requirements-ppo-overlay.lock
 	rm -rf $(VENV_LF)/overlays/trl-0.9.6/tests $(VENV_LF)/overlays/trl-0.9.6/bin
-	$(LFPY) -I tools/lf_parity/check_env.py $(VENV_LF)/overlays/trl-0.9.6
+	rm -rf $(VENV_LF)/overlays/pillow-13.0.0
+	$(LFPY) -m pip install -q --no-deps --target $(VENV_LF)/overlays/pillow-13.0.0 -r tools/lf_parity/requirements-pillow-overlay.lock
+	rm -rf $(VENV_LF)/overlays/pillow-13.0.0/bin
+	$(LFPY) -I tools/lf_parity/check_env.py $(VENV_LF)/overlays/trl-0.9.6 $(VENV_LF)/overlays/pillow-13.0.0
 	touch $(LFSTAMP)
 
 lf-env: $(LFSTAMP)   ## LLaMA-Factory 0.9.5 in its own venv (.venv-lf; .venv and .venv-verifier untouched)
@@ -97,6 +101,7 @@ stale: venv
 	$(PY) -m recorder stale=true
 
 test: venv sandbox    ## the CI suite: fast tests + the static independence contract
+	-$(MAKE) harbor-env   # best effort: Harbor's own validation of the exports runs where Python 3.12 is (else skipped, saying why)
 	$(PY) -m recorder stale=true
 	.venv/bin/lint-imports --config pyproject.toml
 	$(PYTEST) -n $(TEST_JOBS) --dist loadfile -m "not slow and not gpu"
@@ -128,3 +133,24 @@ assets: venv          ## regenerate the tiny checkpoints, tokenizer, datasets an
 
 clean-venv:
 	rm -rf .venv $(VENV_V)
+
+# Harbor (PyPI harbor, Python >= 3.12) in its own venv, only to validate exported task directories (tools/harbor).
+VENV_H := .venv-harbor
+HSTAMP := $(VENV_H)/.installed-stamp
+# Recursive (=): looked up only when the recipe runs.
+HARBOR_PY312 = $(firstword $(wildcard /root/.pyenv/versions/3.12.1/bin/python3.12) $(shell command -v python3.12 2>/dev/null))
+
+$(HSTAMP): tools/harbor/requirements.txt
+	@test -n "$(HARBOR_PY312)" || { echo "harbor-env: needs Python 3.12: neither /root/.pyenv/versions/3.12.1/bin/python3.12 nor python3.12 on PATH" >&2; exit 1; }
+	test -x $(VENV_H)/bin/python || $(HARBOR_PY312) -m venv $(VENV_H)
+	$(VENV_H)/bin/python -m pip install -q --upgrade pip
+	$(VENV_H)/bin/python -m pip install -q -r tools/harbor/requirements.txt
+	touch $(HSTAMP)
+
+harbor-env: $(HSTAMP)   ## Harbor (PyPI harbor, pinned in tools/harbor/requirements.txt) in its own venv (.venv-harbor) for tools/harbor/check_tasks.py
+
+export: venv   ## every recorded task as a Harbor task bundle under exports/ (recorder/export.py) [TASKS=a,b]
+	$(PY) -m recorder.export task=$(or $(TASKS),all) out=exports
+
+locks: venv verifier   ## the agent's and the verifier's lock files, pinned by date (tools/make_locks.py) [DATE=YYYY-MM-DD]
+	$(PY) -m tools.make_locks $(DATE)

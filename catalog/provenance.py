@@ -183,8 +183,40 @@ def provenance(cfg: DictConfig) -> dict:
     }
 
 
+# An exported verifier's runtime (recorder/export.py) carries no torch sources to hash: its sealed.json holds the
+# sha256 of the reference and of the assets as exported, and those are what a reference is checked against there
+SEALED = ROOT / "sealed.json"
+
+
+def sealed() -> dict | None:
+    """The export's seal when this tree is an exported verifier runtime, else None."""
+    return json.loads(SEALED.read_text()) if SEALED.exists() else None
+
+
+def sealed_reasons(h5_path: Path, cfg: DictConfig, seal: dict) -> list[str]:
+    """Why the reference or the assets of an exported runtime differ from what was exported (empty: intact)."""
+    reasons = []
+    if seal.get("task") != cfg.task_name:
+        reasons.append(f"sealed for task {seal.get('task')!r}, graded as {cfg.task_name!r}")
+    if not h5_path.exists():
+        return reasons + [f"reference missing: {h5_path.name}"]
+    if sha256_file(h5_path) != seal.get("reference_sha256"):
+        reasons.append(f"reference changed since the export: {h5_path.name}")
+    for rel, digest in sorted(seal.get("assets_sha256", {}).items()):
+        path = ROOT / rel
+        if not path.is_dir():
+            reasons.append(f"asset missing: {rel}")
+        elif sha256_dir(path) != digest:
+            reasons.append(f"asset changed since the export: {rel}")
+    return reasons
+
+
 def stale_reasons(h5_path: Path, cfg: DictConfig) -> list[str]:
-    """Why the reference at h5_path no longer matches the tree (empty when fresh)."""
+    """Why the reference at h5_path no longer matches the tree (empty when fresh); in an exported runtime, why it
+    or its assets no longer match the seal."""
+    seal = sealed()
+    if seal is not None:
+        return sealed_reasons(h5_path, cfg, seal)
     try:
         with h5py.File(h5_path, "r") as f:
             attrs = {k: f.attrs[k] for k in ("schema_version", "source_sha256", "checkpoint_sha256", "config_sha256")

@@ -2,7 +2,7 @@
 
 The release stores the LLaVA layout: `language_model.model.*` (the Gemma 3 decoder, tied: no head),
 `vision_tower.vision_model.*` (SigLIP) and `multi_modal_projector.{mm_input_projection_weight, mm_soft_emb_norm}`;
-the params are named like the torch module tree. The decoder and tower rows are conversion/paligemma.py's (the
+the params are named like the torch module tree. The decoder and tower rows are conversion/gemma_rules.py's (the
 Gemma rows cover Gemma 3's q/k norms and sandwich norms); the projection weight is stored [in, out] and kept, as
 every norm and table. transformers 5's save (`vision_tower.*` without `vision_model.`) is read too. Checked both
 ways (conversion/rules.py) against the params the Flax model declares with an image in its input.
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from conversion import safetensors_io as st_io
-from conversion.paligemma import GEMMA_RULES, SIGLIP_RULES, release_names
+from conversion.gemma_rules import GEMMA_RULES, SIGLIP_RULES, release_names
 from conversion.rules import apply_rules, invert_rules, keep
 from jax_oracles.models.gemma3 import Gemma3Config, Gemma3ForConditionalGeneration
 

@@ -6,62 +6,28 @@ named like the torch module tree (`model/language_model/layers_<i>/...`, `model/
 `model/multi_modal_projector/linear`). Linear weights become transposed Dense kernels; norms, the embedding
 tables and the Conv2d patch weight [E, C, p, p] are kept as stored. transformers 5's save_pretrained drops the
 tower's `vision_model.` (it writes `vision_tower.*`): such a checkpoint is read too, under the release's names.
-The Gemma decoder and SigLIP rows are shared with conversion/gemma3.py. Checked both ways (conversion/rules.py)
+The Gemma decoder and SigLIP rows are conversion/gemma_rules.py's, shared with conversion/gemma3.py. Checked both ways (conversion/rules.py)
 against the params the Flax model declares with an image in its input.
 """
 
 from __future__ import annotations
-
-import re
 
 import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
 from conversion import safetensors_io as st_io
+from conversion.gemma_rules import GEMMA_RULES, SIGLIP_RULES, release_names
 from conversion.rules import apply_rules, invert_rules, keep, linear
 from jax_oracles.models.paligemma import PaliGemmaConfig, PaliGemmaForConditionalGeneration
 
 __all__ = ["RULES", "GEMMA_RULES", "SIGLIP_RULES", "release_names", "load_config", "convert_state_dict",
            "load_params", "hf_layout"]
 
-_LM, _LM_P = r"language_model\.model\.", "model/language_model/"
-_NORMS = "input_layernorm|post_attention_layernorm|pre_feedforward_layernorm|post_feedforward_layernorm"
-# (HF name regex, "/"-separated param path, transform): the Gemma decoders' rows (Gemma 3's q/k norms and sandwich
-# norms match nothing in a Gemma 1 checkpoint)
-GEMMA_RULES = [
-    (_LM + r"embed_tokens\.weight", _LM_P + "embed_tokens/embedding", keep),
-    (_LM + r"layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.weight", _LM_P + "layers_{0}/self_attn/{1}/kernel",
-     linear),
-    (_LM + r"layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.bias", _LM_P + "layers_{0}/self_attn/{1}/bias", keep),
-    (_LM + r"layers\.(\d+)\.self_attn\.(q_norm|k_norm)\.weight", _LM_P + "layers_{0}/self_attn/{1}/weight", keep),
-    (_LM + r"layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight", _LM_P + "layers_{0}/mlp/{1}/kernel", linear),
-    (_LM + rf"layers\.(\d+)\.({_NORMS})\.weight", _LM_P + "layers_{0}/{1}/weight", keep),
-    (_LM + r"norm\.weight", _LM_P + "norm/weight", keep),
-    (r"language_model\.lm_head\.weight", "lm_head/kernel", linear),
-]
-_V, _V_P = r"vision_tower\.vision_model\.", "model/vision_tower/"
-SIGLIP_RULES = [
-    (_V + r"embeddings\.patch_embedding\.(weight|bias)", _V_P + "embeddings/patch_embedding/{0}", keep),
-    (_V + r"embeddings\.position_embedding\.weight", _V_P + "embeddings/position_embedding/embedding", keep),
-    (_V + r"encoder\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|out_proj)\.weight",
-     _V_P + "encoder/layers_{0}/self_attn/{1}/kernel", linear),
-    (_V + r"encoder\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|out_proj)\.bias",
-     _V_P + "encoder/layers_{0}/self_attn/{1}/bias", keep),
-    (_V + r"encoder\.layers\.(\d+)\.mlp\.(fc1|fc2)\.weight", _V_P + "encoder/layers_{0}/mlp/{1}/kernel", linear),
-    (_V + r"encoder\.layers\.(\d+)\.mlp\.(fc1|fc2)\.bias", _V_P + "encoder/layers_{0}/mlp/{1}/bias", keep),
-    (_V + r"encoder\.layers\.(\d+)\.(layer_norm1|layer_norm2)\.(weight|bias)", _V_P + "encoder/layers_{0}/{1}/{2}", keep),
-    (_V + r"post_layernorm\.(weight|bias)", _V_P + "post_layernorm/{0}", keep),
-]
 RULES = GEMMA_RULES + SIGLIP_RULES + [
     (r"multi_modal_projector\.linear\.weight", "model/multi_modal_projector/linear/kernel", linear),
     (r"multi_modal_projector\.linear\.bias", "model/multi_modal_projector/linear/bias", keep),
 ]
-
-
-def release_names(state: dict) -> dict:
-    """transformers 5's saved tower names (`vision_tower.X`) under the release's (`vision_tower.vision_model.X`)."""
-    return {re.sub(r"^vision_tower\.(?!vision_model\.)", "vision_tower.vision_model.", k): v for k, v in state.items()}
 
 
 def load_config(path) -> PaliGemmaConfig:

@@ -17,7 +17,7 @@ from rich.table import Table
 from catalog import heldout, scorers
 from catalog.checks import checks_for
 from catalog.h5schema import Reference, ReferenceError, read_reference, write_arrays
-from catalog.provenance import checkpoint_dir, checkpoint_mismatch, stale_reasons
+from catalog.provenance import checkpoint_dir, checkpoint_mismatch, sealed, stale_reasons
 from catalog.tasks import task_class, task_features, task_method
 from catalog.trace import reference_pressure
 from grader.coverage import merge as merge_coverage
@@ -51,6 +51,35 @@ def _asset_paths(cfg) -> dict[str, str]:
     if "reward_model" in cfg.get("method", {}):
         paths["reward_model"] = cfg.method.reward_model
     return paths
+
+
+# what a reference records of its recording environment that the verifier also runs (catalog/h5schema.py attrs)
+SHARED_PACKAGES = ("numpy", "h5py", "safetensors", "tokenizers")
+
+
+def version_drift(ref: Reference) -> list[str]:
+    """Where this verifier's packages differ from those the reference was recorded with (the packages both
+    environments hold) and, in an exported runtime, from the verifier lock it was exported with: a warning,
+    since a numeric library's release can move a last digit, never a refusal."""
+    from importlib import metadata
+
+    def installed(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    drift = []
+    recorded = ref.attrs.get("package_versions") or {}
+    for name in SHARED_PACKAGES:
+        if name in recorded and installed(name) not in (None, recorded[name]):
+            drift.append(f"{name} {installed(name)} (the reference was recorded with {recorded[name]})")
+    seal = sealed()
+    for name, version in sorted(((seal or {}).get("verifier_versions") or {}).items()):
+        if installed(name) != version:
+            drift.append(f"{name} {installed(name) or 'missing'} (verifier.lock of "
+                         f"{seal.get('verifier_lock_date')}: {version})")
+    return drift
 
 
 def child_caps(cfg) -> "gate.clock.Limits":
@@ -175,8 +204,13 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, options: Gra
     if mismatch:  # outputs of checkpoint A graded against a candidate run on checkpoint B: meaningless
         raise ReferenceError(mismatch)
     stale = stale_reasons(references / f"{task}.h5", cfg)
+    if stale and sealed() is not None:  # an exported runtime: its inputs are what was sealed, or nothing is graded
+        raise ReferenceError(f"{task}: the exported verifier's inputs are not as sealed: {'; '.join(stale)}")
     if stale and not quiet:
         console.print(f"[yellow]warning: reference is stale[/] ({'; '.join(stale)})")
+    drift = version_drift(ref)
+    if drift and not quiet:
+        console.print(f"[yellow]warning: this verifier's versions differ[/] ({'; '.join(drift)})")
     spec_checks, checks = checks_for(task_class(cfg), task_method(cfg), task_features(cfg))
     all_specs = spec_checks + checks
     results: list[Check] = []
@@ -384,7 +418,7 @@ def _finish(task, candidate, results, ref, report_dir, stale, quiet, series, gat
     digits = [c.digits for c in results if c.digits is not None]
     report = {"task": task, "candidate": str(candidate), "reward": r, "earned_levels": levels,
               "mean_digits": float(np.mean(digits)) if digits else None,
-              "gated": gated, "stale_reference": stale,
+              "gated": gated, "stale_reference": stale, "version_drift": version_drift(ref),
               "isolation": "trusted: Python-level fence only" if trusted else "bubblewrap sandbox",
               "reference_pressure": reference_pressure(ref),
               "checks": [_with_budget(asdict(c), budgets) for c in results], "series": series,
