@@ -18,7 +18,6 @@ per-level report beside it. A reference that is missing or stale is refused: an 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -28,7 +27,9 @@ from string import Template
 
 from catalog.provenance import ROOT, checkpoint_dir, sha256_dir, sha256_file, stale_reasons
 from catalog.tasks import compose_task, known_tasks, task_class, task_method
-from recorder.export_graph import oracle_files, torch_files
+from recorder.export_graph import mirror_path, oracle_files, start_modules, torch_files
+from recorder.probes.serving import ENGINE_API
+from recorder.probes.training import public_names
 from tools.make_locks import lock_date, locked_versions
 
 __all__ = ["ExportError", "export_task", "instruction_fields", "render_instruction", "instruction_matches",
@@ -81,16 +82,8 @@ def _copy_rel(paths, dst_root: Path, src_root: Path = ROOT) -> None:
         _copy(path, dst_root / path.relative_to(src_root))
 
 
-def public_names(path: Path) -> list[str]:
-    from recorder.probes.training import public_names as names
-
-    return list(names(path))
-
-
 def _module_list(cfg) -> str:
     """The graded modules (L0/layout) with their public names, as the instruction lists them."""
-    from recorder.export_graph import mirror_path, start_modules
-
     lines = []
     for module in start_modules(cfg):
         src = ROOT / "torch_sources" / module
@@ -113,8 +106,6 @@ def instruction_fields(cfg) -> dict[str, str]:
         fields.update(method=task_method(cfg), workflow=f"jax_oracles/{cfg.method.workflow.replace('.', '/')}.py",
                       args=cfg.method.args, entry=cfg.method.entry, entry_module=cfg.method.workflow)
     else:
-        from recorder.probes.serving import ENGINE_API
-
         fields.update(mode=cfg.mode.name,
                       engine_api=", ".join(f"`{n}`" for n in ENGINE_API))
     return fields

@@ -17,6 +17,8 @@ from pathlib import Path
 from catalog.family import language_model, mirrored_modules
 from catalog.provenance import ROOT
 from catalog.pysource import parse
+from recorder.probes.serving import SERVING_MODULES
+from recorder.probes.training import TRAINING_MODULES
 
 __all__ = ["MIRROR_EXTRAS", "TORCH_ONLY", "mirror_path", "oracle_files", "start_modules", "torch_files", "unmirror_path"]
 
@@ -40,9 +42,6 @@ TORCH_ONLY = {"torch_sources/models/loading.py": "conversion/safetensors_io.py",
 
 def start_modules(cfg) -> list[str]:
     """The task's graded modules, as paths under torch_sources/ (recorder/probes: probe_layout's modules)."""
-    from recorder.probes.serving import SERVING_MODULES
-    from recorder.probes.training import TRAINING_MODULES
-
     family = cfg.family
     if "method" in cfg:
         mods = [*mirrored_modules(family), language_model(family)[0], *TRAINING_MODULES,
