@@ -5,7 +5,8 @@ A training task starts from its family's mirrored modules (the family file, a vi
 processor and plugin), the graded training modules and its method's workflow; a serving task from its family file,
 its paged model and the graded engine modules (recorder/probes: the modules L0/layout names). Each start's
 `torch_sources` imports are followed transitively; `models/auto.py` loads a family by name (importlib), so the
-family file is a start of its own. The oracle side mirrors every torch module (CONTRACTS.md's mirror rule) and adds
+family file is a start of its own, and so is PPO's reward model's family file (one reward model, Llama-shaped, scores
+every family). The oracle side mirrors every torch module (CONTRACTS.md's mirror rule) and adds
 the family's converter (`conversion/<family>.py`) and the JAX-only modules those import (MIRROR_EXTRAS says which
 may exist and why).
 """
@@ -19,8 +20,10 @@ from catalog.provenance import ROOT
 from catalog.pysource import parse
 from recorder.probes.serving import SERVING_MODULES
 from recorder.probes.training import TRAINING_MODULES
+from torch_sources.models.auto import family_of
 
-__all__ = ["MIRROR_EXTRAS", "TORCH_ONLY", "mirror_path", "oracle_files", "start_modules", "torch_files", "unmirror_path"]
+__all__ = ["MIRROR_EXTRAS", "TORCH_ONLY", "mirror_path", "oracle_files", "reward_family_modules", "start_modules",
+           "torch_files", "unmirror_path"]
 
 TORCH_ROOT = "torch_sources"
 # torch_sources/<sub>/... <-> its twin's package (CONTRACTS.md, mirror rule)
@@ -45,10 +48,18 @@ def start_modules(cfg) -> list[str]:
     family = cfg.family
     if "method" in cfg:
         mods = [*mirrored_modules(family), language_model(family)[0], *TRAINING_MODULES,
-                f"{cfg.method.workflow.replace('.', '/')}.py"]
+                f"{cfg.method.workflow.replace('.', '/')}.py", *reward_family_modules(cfg)]
     else:
         mods = [family.model_module, language_model(family)[0], f"serving/models/{family.name}.py", *SERVING_MODULES]
     return list(dict.fromkeys(mods))
+
+
+def reward_family_modules(cfg) -> list[str]:
+    """PPO's reward checkpoint's family file (models/auto.py loads it by its model_type): one reward model scores
+    every family, so a PPO task runs a second family's model."""
+    if "reward_model" not in cfg.get("method", {}):
+        return []
+    return [f"models/{family_of(ROOT / cfg.method.reward_model)}.py"]
 
 
 def _imports(path: Path, root: Path, packages: tuple[str, ...]) -> list[Path]:
@@ -126,8 +137,9 @@ def oracle_files(cfg, root: Path = ROOT) -> list[Path]:
     rels = [p.relative_to(root).as_posix() for p in torch_files(cfg, root)]
     twins = [root / (TORCH_ONLY[rel] if rel in TORCH_ONLY else mirror_path(rel)) for rel in rels
              if rel != f"{TORCH_ROOT}/__init__.py"]
-    converter = root / "conversion" / Path(cfg.family.model_module).name
-    files = _closure([*twins, converter], root, ORACLE_PACKAGES)
+    families = [Path(cfg.family.model_module).name, *(Path(m).name for m in reward_family_modules(cfg))]
+    converters = [root / "conversion" / name for name in dict.fromkeys(families)]
+    files = _closure([*twins, *converters], root, ORACLE_PACKAGES)
     out = []
     for top in ORACLE_PACKAGES:
         out += _with_packages([f for f in files if f.relative_to(root).parts[0] == top], root, top)

@@ -215,3 +215,31 @@ def test_version_drift_names_what_differs():
     drift = version_drift(ref)
     assert drift == [f"numpy {np.__version__} (the reference was recorded with 0.0.1)"]
     assert version_drift(Reference(attrs={"package_versions": {"numpy": np.__version__}}, checks={}, band=None)) == []
+
+
+def test_every_task_solution_mirrors_its_sources():
+    """Over all tasks, without exporting: the solution's modules are the twins of torch_orig's (plus the documented
+    JAX-only ones), and a PPO task carries its reward model's family and converter (models/auto.py loads it by
+    model_type, so no static import reaches it)."""
+    from catalog.tasks import known_tasks
+    from recorder.export_graph import oracle_files, reward_family_modules, torch_files
+
+    for task in known_tasks():
+        cfg = compose_task(task)
+        torch_mods = {p.relative_to(ROOT).as_posix() for p in torch_files(cfg)} - {"torch_sources/__init__.py"}
+        torch_mods -= set(TORCH_ONLY)
+        twins = set()
+        for p in oracle_files(cfg):
+            m = p.relative_to(ROOT).as_posix()
+            if m == "jax_oracles/__init__.py" or any(m.startswith(e) for e in MIRROR_EXTRAS):
+                continue
+            if "method" not in cfg and m in ("jax_oracles/training/lora.py", "jax_oracles/training/__init__.py"):
+                continue
+            twins.add(unmirror_path(m))
+        assert twins == torch_mods, (task, sorted(twins ^ torch_mods))
+        solution = {p.relative_to(ROOT).as_posix() for p in oracle_files(cfg)}
+        for module in reward_family_modules(cfg):
+            name = Path(module).name
+            assert {f"torch_sources/{module}"} <= torch_mods and f"conversion/{name}" in solution, task
+        assert f"conversion/{Path(cfg.family.model_module).name}" in solution, task
+    assert reward_family_modules(compose_task("paligemma-ppo")) == ["models/llama3.py"]

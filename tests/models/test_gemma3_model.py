@@ -306,39 +306,10 @@ def test_processor_matches_transformers(size):
     assert want.shape == (len(IMAGES), 3, size, size)
     np.testing.assert_array_equal(got_t.view(np.uint32), want.view(np.uint32))
     np.testing.assert_array_equal(got_j.view(np.uint32), want.view(np.uint32))
-    # the release's file ships do_convert_rgb null: kept, as HF's from_pretrained keeps it (next test)
+    # the release's file ships do_convert_rgb null: kept, as HF's from_pretrained keeps it (test_release_processor_nulls.py)
     assert tproc.Gemma3ImageProcessorConfig.gemma3() == replace(tproc.Gemma3ImageProcessorConfig(height=896, width=896), do_convert_rgb=None)
     with pytest.raises(ValueError, match="pan_and_scan"):
         jproc.Gemma3ImageProcessorConfig.from_hf({"do_pan_and_scan": True})
-
-
-def test_release_processor_file_converts_nothing():
-    """The release's preprocessor_config.json ("do_convert_rgb": null, assets/tokenizer/gemma3): HF's processor
-    loaded from it keeps the null and converts nothing, so an RGB image is processed as before and a grey one is
-    refused (its one channel against a three-value mean); both sides read the file the same way and do the same."""
-    from PIL import Image
-    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
-
-    files = ROOT / "assets/tokenizer/gemma3"
-    d = json.loads((files / "preprocessor_config.json").read_text())
-    assert "do_convert_rgb" in d and d["do_convert_rgb"] is None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        hf = Gemma3ImageProcessorPil.from_pretrained(files)
-    assert hf.do_convert_rgb is None
-    configs = (tproc.Gemma3ImageProcessorConfig.from_hf(d), jproc.Gemma3ImageProcessorConfig.from_hf(d))
-    assert all(c.do_convert_rgb is None for c in configs)
-    rgb = [p for p in IMAGES if "wide" in p.name or "gradient" in p.name]
-    want = hf([Image.open(p) for p in rgb], return_tensors="np")["pixel_values"]
-    images = [jvp.read_png(p) for p in rgb]
-    np.testing.assert_array_equal(tproc.process_images(images, configs[0]).numpy().view(np.uint32), want.view(np.uint32))
-    np.testing.assert_array_equal(jproc.process_images(images, configs[1]).view(np.uint32), want.view(np.uint32))
-    gray = next(p for p in IMAGES if p.name.startswith("gray"))
-    with pytest.raises(ValueError, match="mean must have 1 elements"):
-        hf([Image.open(gray)], return_tensors="np")
-    for side, config in zip((tproc, jproc), configs):
-        with pytest.raises(ValueError, match="mean must have 1 elements"):
-            side.process_images([jvp.read_png(gray)], config)
 
 
 def test_checkpoint_is_reproducible(tmp_path):
