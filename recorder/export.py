@@ -18,6 +18,7 @@ per-level report beside it. A reference that is missing or stale is refused: an 
 """
 from __future__ import annotations
 
+import ast
 import json
 import re
 import shutil
@@ -26,8 +27,9 @@ from pathlib import Path
 from string import Template
 
 from catalog.provenance import ROOT, checkpoint_dir, sha256_dir, sha256_file, stale_reasons
+from catalog.pysource import parse
 from catalog.tasks import compose_task, known_tasks, task_class, task_method
-from recorder.export_graph import mirror_path, oracle_files, start_modules, torch_files
+from recorder.export_graph import mirror_path, oracle_files, reward_family_modules, start_modules, torch_files
 from recorder.probes.serving import ENGINE_API
 from recorder.probes.training import public_names
 from tools.make_locks import lock_date, locked_versions
@@ -92,19 +94,30 @@ def _module_list(cfg) -> str:
     return "\n".join(lines)
 
 
+def _parameters(path: Path, function: str) -> list[str]:
+    """The parameter names of a module-level function, read statically (the entry point's signature)."""
+    for node in parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.FunctionDef) and node.name == function:
+            return [a.arg for a in node.args.args]
+    raise ExportError(f"{path.relative_to(ROOT)} defines no {function}()")
+
+
 def instruction_fields(cfg) -> dict[str, str]:
     """The values the task class's template is filled with: all of them from the task's config and sources."""
     assets = _asset_dirs(cfg)
     fields = {
         "task": cfg.task_name, "family": cfg.family.name, "candidate": CANDIDATE, "workspace": WORKSPACE,
         "family_module": f"jax_oracles/{cfg.family.model_module}",
-        "converter": f"conversion/{Path(cfg.family.model_module).name}",
+        "converters": " and ".join(f"`conversion/{name}`" for name in dict.fromkeys(
+            [Path(cfg.family.model_module).name, *(Path(m).name for m in reward_family_modules(cfg))])),
         "modules": _module_list(cfg),
         "assets": "\n".join(f"- {role}: `{WORKSPACE}/{p.relative_to(ROOT).as_posix()}`" for role, p in assets.items()),
     }
     if task_class(cfg) == "training":
         fields.update(method=task_method(cfg), workflow=f"jax_oracles/{cfg.method.workflow.replace('.', '/')}.py",
-                      args=cfg.method.args, entry=cfg.method.entry, entry_module=cfg.method.workflow)
+                      args=cfg.method.args, entry=cfg.method.entry, entry_module=cfg.method.workflow,
+                      entry_params=", ".join(_parameters(ROOT / "torch_sources" / f"{cfg.method.workflow.replace('.', '/')}.py",
+                                                         cfg.method.entry)))
     else:
         fields.update(mode=cfg.mode.name,
                       engine_api=", ".join(f"`{n}`" for n in ENGINE_API))
