@@ -17,7 +17,7 @@ TEST_JOBS ?= 2
 PYTEST := $(PY) -m pytest -q -p no:randomly
 
 
-.PHONY: export locks lf-env lf-parity venv verifier sandbox record record-all grade grade-all calibrate stability coverage-torch sweep test test-full bench assets stale clean-venv harbor-env
+.PHONY: export export-check locks lf-env lf-parity venv verifier sandbox record record-all grade grade-all calibrate stability coverage-torch sweep test test-full bench assets stale clean-venv harbor-env
 
 venv: $(STAMP)
 
@@ -154,3 +154,6 @@ export: venv   ## every recorded task as a Harbor task bundle under exports/ (re
 
 locks: venv verifier   ## the agent's and the verifier's lock files, pinned by date (tools/make_locks.py) [DATE=YYYY-MM-DD]
 	$(PY) -m tools.make_locks $(DATE)
+
+export-check: venv sandbox   ## every task exported, its verifier run from the exported directory alone on the exported solution (tools/check_exports.py) [TASKS=a,b]
+	$(PY) -m tools.check_exports task=$(or $(TASKS),all)
