@@ -245,7 +245,7 @@ def main(argv: list[str]) -> int:
     tasks = known_tasks() if options["task"] == "all" else options["task"].split(",")
     unknown = [t for t in tasks if t not in known_tasks()]
     if unknown:
-        raise SystemExit(f"unknown task(s): {', '.join(unknown)}")
+        raise SystemExit(f"unknown task(s): {', '.join(unknown)}; known: {', '.join(known_tasks())}")
     out = (ROOT / options["out"]).resolve()
     failed = []
     for task in tasks:
