@@ -16,8 +16,8 @@ import yaml
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from catalog.workloads import (PPO_MOVED_STATS, PPO_NOISE_STATS, moved_steps, rewarded_steps,  # noqa: E402
-                               width_dependent_metrics)
+from ppo_runs import assert_ppo_runs_match, max_diff  # noqa: E402 (tests/training/ppo_runs.py)
+from catalog.workloads import rewarded_steps, width_dependent_metrics  # noqa: E402
 from jax_oracles.training import dpo as jdpo  # noqa: E402
 from jax_oracles.training import ppo as jppo  # noqa: E402
 from jax_oracles.training import sft as jsft  # noqa: E402
@@ -42,10 +42,6 @@ def _assets(family: str) -> tuple[Path, Path]:
     return ROOT / "assets/checkpoints" / family, ROOT / "assets/tokenizer" / family
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float(np.abs(np.asarray(a[k]) - np.asarray(b[k])).max()) for k in a)
-
 
 def _features(family: str) -> list[str]:
     return yaml.safe_load((ROOT / "configs/family" / f"{family}.yaml").read_text())["features"]
@@ -60,7 +56,7 @@ def test_sft_end_to_end_matches(family):
     np.testing.assert_allclose(got.step_losses, want.step_losses, rtol=1e-5)
     np.testing.assert_allclose([got.eval_loss_before, got.eval_loss_after],
                                [want.eval_loss_before, want.eval_loss_after], rtol=1e-5)
-    assert _max_diff(got.lora_state_dict, want.lora_state_dict) < ADAPTER_ATOL
+    assert max_diff(got.lora_state_dict, want.lora_state_dict) < ADAPTER_ATOL
     assert want.eval_loss_after < want.eval_loss_before - 0.1  # the images' answers are learnable
 
 
@@ -84,7 +80,7 @@ def test_dpo_end_to_end_matches(family):
         w, g = getattr(want, when), getattr(got, when)
         names = [k for k in w if k not in skip]
         np.testing.assert_allclose([g[k] for k in names], [w[k] for k in names], rtol=1e-4, atol=1e-5, err_msg=when)
-    assert _max_diff(got.lora_state_dict, want.lora_state_dict) < ADAPTER_ATOL
+    assert max_diff(got.lora_state_dict, want.lora_state_dict) < ADAPTER_ATOL
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -99,21 +95,7 @@ def test_ppo_end_to_end_matches(family):
     kw = dict(template=template, cutoff_len=cutoff, num_train_epochs=1, eval_samples=1)
     want = tppo.train_ppo(ckpt, tokenizer, data, reward, tppo.PPOArgs(**kw))
     got = jppo.train_ppo(ckpt, tokenizer, data, reward, jppo.PPOArgs(**kw))
-    assert len(want.step_responses) == 3
-    for w, g in zip(want.step_responses, got.step_responses):
-        np.testing.assert_array_equal(g, w)
-    moved = moved_steps(want.step_stats)
-    assert 0 < len(moved) < 3  # warmup holds the first step still
-    for name in tppo.STATS:
-        if name in PPO_NOISE_STATS:
-            continue
-        steps = moved if name in PPO_MOVED_STATS else slice(None)
-        np.testing.assert_allclose(np.asarray(got.step_stats[name])[steps], np.asarray(want.step_stats[name])[steps],
-                                   rtol=1e-4, atol=1e-5, err_msg=name)
-    np.testing.assert_allclose([got.eval_before, got.eval_after], [want.eval_before, want.eval_after], rtol=1e-5,
-                               atol=1e-6)
-    assert _max_diff(got.lora_state_dict, want.lora_state_dict) < ADAPTER_ATOL
-    assert _max_diff(got.value_head, want.value_head) < 3e-5
+    assert_ppo_runs_match(want, got, tppo.STATS, adapter_atol=ADAPTER_ATOL)
 
     args = tppo.PPOArgs(**kw)  # one rollout (step 0's noise) on both sides: its model inputs
     prompts = tppo.load_prompt_dataset(tokenizer, data, "train", args)[:4]
