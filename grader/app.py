@@ -222,7 +222,7 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, options: Gra
         why = "independence gate: " + "; ".join(offences or [lint_text.strip().splitlines()[-1] if lint_text
                                                               else "import-linter failed"])
         results = [Check(s.level, s.name, s.aspect, s.measure, 0.0, why) for s in all_specs]
-        return _finish(task, candidate, results, ref, report_dir, stale, quiet, series, gated=why,
+        return _finish(task, candidate, results, ref, report_dir, stale, quiet, series, drift, gated=why,
                        trusted=trusted)
     results.append(Check("L0", "torch_free", "spec", "pass", 1.0, None))
 
@@ -304,7 +304,7 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, options: Gra
                 series.update(_series(s.key, ref.checks[s.key].outputs, produced.get(s.key) or {}))
                 check = _score_check(*args)
             results.append(check)
-    return _finish(task, candidate, results, ref, report_dir, stale, quiet, series, trusted=trusted,
+    return _finish(task, candidate, results, ref, report_dir, stale, quiet, series, drift, trusted=trusted,
                    details=details, executed=executed, budgets={lv: b[1] for lv, b in budgets.items()},
                    compile_seconds=compile_seconds, executed_by_group=executed_by_group, children=children,
                    caps=caps)
@@ -410,7 +410,7 @@ def cfg_class(cfg) -> str:
     return cfg.method.task_class if "method" in cfg else cfg.mode.task_class
 
 
-def _finish(task, candidate, results, ref, report_dir, stale, quiet, series, gated=None,
+def _finish(task, candidate, results, ref, report_dir, stale, quiet, series, drift, gated=None,
             trusted=False, details=None, executed=None, budgets=None, compile_seconds=None,
             executed_by_group=None, children=None, caps=None) -> dict:
     r = 0.0 if gated else compute_reward(results)
@@ -418,7 +418,7 @@ def _finish(task, candidate, results, ref, report_dir, stale, quiet, series, gat
     digits = [c.digits for c in results if c.digits is not None]
     report = {"task": task, "candidate": str(candidate), "reward": r, "earned_levels": levels,
               "mean_digits": float(np.mean(digits)) if digits else None,
-              "gated": gated, "stale_reference": stale, "version_drift": version_drift(ref),
+              "gated": gated, "stale_reference": stale, "version_drift": drift,
               "isolation": "trusted: Python-level fence only" if trusted else "bubblewrap sandbox",
               "reference_pressure": reference_pressure(ref),
               "checks": [_with_budget(asdict(c), budgets) for c in results], "series": series,

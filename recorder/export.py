@@ -43,7 +43,9 @@ WORKSPACE = "/workspace"  # the agent's working directory (task.toml [environmen
 CANDIDATE = f"{WORKSPACE}/jax_repo"
 # the verifier's runtime: what the grader process and its sandboxed children import, and what they read
 RUNTIME_PACKAGES = ("grader", "catalog")
-RUNTIME_SKIP = ("__pycache__", "*.pyc", "sweep")  # the seeded-defect sweep is the maintainers' tool, not a verdict's
+BYTECODE = shutil.ignore_patterns("__pycache__", "*.pyc")
+# the runtime's packages leave out the seeded-defect sweep too: the maintainers' tool, not a verdict's
+RUNTIME_SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", "sweep")
 # task.toml's numbers: the agent gets a GPU machine for a working day; the verifier grades on CPUs
 AGENT_TIMEOUT_S = 8 * 3600.0
 VERIFIER_TIMEOUT_S = 3600.0
@@ -74,7 +76,7 @@ def _asset_dirs(cfg) -> dict[str, Path]:
 def _copy(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     if src.is_dir():
-        shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*RUNTIME_SKIP[:2]), dirs_exist_ok=True)
+        shutil.copytree(src, dst, ignore=BYTECODE, dirs_exist_ok=True)
     else:
         shutil.copy2(src, dst)
 
@@ -212,8 +214,8 @@ def export_task(task: str, out: Path, lock_dir: Path = ROOT / "locks") -> Path:
     tests = dest / "tests"
     runtime = tests / "runtime"
     for package in RUNTIME_PACKAGES:
-        shutil.copytree(ROOT / package, runtime / package, ignore=shutil.ignore_patterns(*RUNTIME_SKIP))
-    shutil.copytree(ROOT / "configs", runtime / "configs", ignore=shutil.ignore_patterns(*RUNTIME_SKIP))
+        shutil.copytree(ROOT / package, runtime / package, ignore=RUNTIME_SKIP)
+    shutil.copytree(ROOT / "configs", runtime / "configs", ignore=RUNTIME_SKIP)
     _copy(ref, runtime / "references" / ref.name)
     _copy_rel(assets.values(), runtime)
     (runtime / "sealed.json").write_text(json.dumps(_sealed(cfg, ref, assets, locks["verifier"]), indent=1))

@@ -69,8 +69,8 @@ def _imports(path: Path, root: Path, packages: tuple[str, ...]) -> list[Path]:
         names = []
         if isinstance(node, ast.ImportFrom):
             module = node.module or ""
-            if node.level:  # relative: against the importing file's package
-                package = path.relative_to(root).parent.parts[:len(path.relative_to(root).parent.parts) - node.level + 1]
+            if node.level:  # relative: against the importing file's package, one level up per extra dot
+                package = path.relative_to(root).parents[node.level - 1].parts
                 module = ".".join([*package, *([module] if module else [])])
             names = [module] + [f"{module}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
