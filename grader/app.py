@@ -434,10 +434,10 @@ def _finish(task, candidate, results, ref, report_dir, stale, quiet, series, dri
         report["coverage"] = _coverage_json(executed)
     if executed_by_group is not None:  # each level group's child on its own (the sweep's impact analysis)
         report["coverage_by_group"] = {g: _coverage_json(e) for g, e in executed_by_group.items()}
-    report_dir.mkdir(parents=True, exist_ok=True)
-    (report_dir / f"{task}.json").write_text(json.dumps(report, indent=2, default=float))
+    save_report(report, report_dir)
     if not quiet:
-        _print_table(task, results, r, levels)
+        print_checks(f"{task}: strict lattice L{levels}" if levels >= 0 else f"{task}: no level earned",
+                     report["checks"])
         for lv, b in (budgets or {}).items():
             if b.get("used_cpu_s") is not None:
                 console.print(f"{lv} budget: {b['rule']} (speed {b.get('speed', 1.0):.3f} against "
@@ -477,13 +477,20 @@ def _fig(x: float | None, fmt: str) -> str:
     return "" if x is None else format(x, fmt)
 
 
-def _print_table(task, results, r, levels):
-    t = Table(title=f"{task}: strict lattice L{levels}" if levels >= 0 else f"{task}: no level earned")
+def save_report(report: dict, report_dir: Path) -> None:
+    """reports/<task>.json (the fresh pass adds its section and saves again)."""
+    report_dir.mkdir(parents=True, exist_ok=True)
+    (report_dir / f"{report['task']}.json").write_text(json.dumps(report, indent=2, default=float))
+
+
+def print_checks(title: str, checks: list[dict]) -> None:
+    """The per-check table of a report's checks (dicts as the report holds them)."""
+    t = Table(title=title)
     for col in ("level", "check", "measure", "score", "bar", "max|diff|", "rel L2", "digits", "s", "reason"):
         t.add_column(col)
-    for c in results:
-        colour = "green" if c.passed else "red"
-        t.add_row(c.level, c.name, c.measure, f"[{colour}]{c.score:.6f}[/]", f"{c.bar:.4f}",
-                  _fig(c.max_abs_diff, ".2e"), _fig(c.rel_l2, ".2e"), _fig(c.digits, ".1f"), f"{c.seconds:.1f}",
-                  c.reason or "")
+    for c in checks:
+        colour = "green" if c["score"] >= c["bar"] else "red"
+        t.add_row(c["level"], c["name"], c["measure"], f"[{colour}]{c['score']:.6f}[/]", f"{c['bar']:.4f}",
+                  _fig(c.get("max_abs_diff"), ".2e"), _fig(c.get("rel_l2"), ".2e"), _fig(c.get("digits"), ".1f"),
+                  f"{c['seconds']:.1f}", c.get("reason") or "")
     console.print(t)

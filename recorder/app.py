@@ -21,6 +21,7 @@ from catalog.provenance import ROOT, checkpoint_dir, checkpoint_label, provenanc
 from catalog.scale import ensure_scale_checkpoints, scale_name
 from catalog.tasks import compose_task, known_tasks, task_class
 from recorder.device import check_device, device_description, record_on, setup_device
+from recorder.probes.training import set_fresh_seed
 from torch_sources.models.loading import tensor_index
 
 console = Console(stderr=True)
@@ -48,6 +49,10 @@ def record(cfg: DictConfig) -> Path:
         raise RuntimeError(f"cannot create output directory {out_dir}: {e}") from e
     if not os.access(out_dir, os.W_OK):
         raise RuntimeError(f"output directory {out_dir} is not writable")
+    fresh = cfg.get("fresh")
+    if fresh is not None and out_dir.resolve() == (ROOT / "references").resolve():
+        raise ValueError("fresh=SEED records inputs no frozen reference holds: give another out_dir (the grader's "
+                         "fresh pass writes to a temporary one); references/ keeps the frozen draws")
     ensure_scale_checkpoints(cfg, log=console.print)  # scale=small: its checkpoints, written on first use
     ckpt = checkpoint_dir(cfg)
     if not (ckpt / "config.json").is_file():
@@ -58,6 +63,7 @@ def record(cfg: DictConfig) -> Path:
     stored = tensor_index(ckpt)  # a missing shard or a corrupt header fails here, before any probe runs
     rss_at_start = _reset_peak_rss()
     probes = importlib.import_module(f"recorder.probes.{task_class(cfg)}")
+    set_fresh_seed(fresh)  # every recording sets it: a multirun worker records several tasks in one process
     started = time.perf_counter()
     cov = _start_coverage() if cfg.get("coverage") else None
     # off the CPU: an audited pass (every aten op on dev), then the recorded one, which must reproduce it
@@ -83,6 +89,8 @@ def record(cfg: DictConfig) -> Path:
     }
     if cfg.get("levels"):
         attrs["recorded_levels"] = list(cfg.levels)
+    if fresh is not None:
+        attrs["fresh_seed"] = int(fresh)
     if scale_name(cfg) != "tiny":  # configs/scale/; absent: tiny (references from before scales say nothing)
         attrs["scale"] = scale_name(cfg)
     path = out_dir / f"{name}.h5"

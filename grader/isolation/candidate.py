@@ -1,6 +1,7 @@
 """What counts as the candidate, and what it may never be or import (the module doc of grader/isolation/gate.py
 says why): the top-level directories jax_oracles/, serving_engine/ and conversion/ when they hold any .py file,
-every other top-level regular package, never the grader's own packages or one named after a forbidden one."""
+every other top-level regular package, never the grader's own packages, the twin's or one named after a forbidden
+one."""
 from __future__ import annotations
 
 import os
@@ -9,7 +10,8 @@ from pathlib import Path
 FORBIDDEN = ("torch", "torchvision", "torchaudio", "transformers", "vllm", "peft", "trl",
              "torch_sources", "recorder")
 MIRROR_PACKAGES = ("jax_oracles", "serving_engine", "conversion")
-_NEVER_CANDIDATE = frozenset({"references", "tests", "test", "grader", "catalog", *FORBIDDEN})
+_NEVER_CANDIDATE = frozenset({"references", "tests", "test", "grader", "catalog", "twin", *FORBIDDEN})  # twin: the
+# live twin harness (twin/), which runs the torch side and is never part of what it checks
 
 
 def candidate_packages(candidate_root: str | Path) -> list[Path]:

@@ -402,14 +402,14 @@ def stage_grader_packages(dst: Path) -> None:
         shutil.copytree(_REPO_ROOT / name, dst / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
 
 
-def _stage(tmp: Path, root: Path, include: tuple[str, ...]) -> tuple[Path, Path, Path]:
-    """boot/ (the guard + sitecustomize), grader_pkg/ (copies of the grader and catalog packages), candidate/ (a
-    copy)."""
+def _stage(tmp: Path, root: Path, include: tuple[str, ...], stage_packages=None) -> tuple[Path, Path, Path]:
+    """boot/ (the guard + sitecustomize), grader_pkg/ (copies of the grader and catalog packages, or what
+    `stage_packages` puts there), candidate/ (a copy)."""
     boot, grader_parent, copy = tmp / "boot", tmp / "grader_pkg", tmp / "candidate"
     boot.mkdir()
     shutil.copy2(_guard.__file__, boot / "_t2j_gate_guard.py")
     (boot / "sitecustomize.py").write_text(_SITECUSTOMIZE)
-    stage_grader_packages(grader_parent)
+    (stage_packages or stage_grader_packages)(grader_parent)
     _copy_candidate(root, copy, tuple(include))
     return boot, grader_parent, copy
 
@@ -470,7 +470,8 @@ def run_sandboxed(candidate_root: str | Path, entry: str, inputs_dir: str | Path
                   timeout_s: float, *, inputs_name: str = "inputs.h5", outputs_name: str = "outputs.npz",
                   include: tuple[str, ...] = (), jax_platforms: str | None = "cpu", trusted: bool = False,
                   deny_read: tuple[str | Path, ...] = (), compile_cache: str | Path | None = None,
-                  forkserver=None, cpu_limit_s: float = math.inf, caps: clock.Limits | None = None) -> SandboxResult:
+                  forkserver=None, cpu_limit_s: float = math.inf, caps: clock.Limits | None = None,
+                  stage_packages=None) -> SandboxResult:
     """Run `entry(inputs_path, outputs_path)` ("module:function") of a copy of the candidate.
 
     Sealed (the default): the verifier interpreter inside bubblewrap (grader/isolation/sandbox.py), seeing
@@ -492,6 +493,8 @@ def run_sandboxed(candidate_root: str | Path, entry: str, inputs_dir: str | Path
     candidate to copy (data such as configs/). `outputs_dir` must be an empty directory; a run that
     exits 0 without writing its file fails with reason "no output". `result.outputs` is that file,
     to be read only with grader.isolation.exchange.read_outputs (or as untrusted data otherwise).
+    `stage_packages(dst)` puts the trusted packages the entry runs from under dst in place of CHILD_PACKAGES (the
+    live twin, twin/seal.py, stages its own probes and never the grader's checks).
     `compile_cache` shares one writable JAX compilation cache between children: a channel from one
     child to the next, so only for the sweep's own mutants, never for a candidate. `forkserver`
     (grader/isolation/forkserver.py, trusted only: the sweep's own mutants) forks the child from a server that has
@@ -510,7 +513,7 @@ def run_sandboxed(candidate_root: str | Path, entry: str, inputs_dir: str | Path
     cache = Path(compile_cache).resolve() if compile_cache is not None else None
     with tempfile.TemporaryDirectory(prefix="t2j-sandbox-") as tmp:
         tmp = Path(tmp)
-        staged = _stage(tmp, root, tuple(include))
+        staged = _stage(tmp, root, tuple(include), stage_packages)
         args = (root, entry, inputs_dir, inputs_name, outputs_dir, outputs_name, staged, jax_platforms)
         if trusted:
             cmd, env, cwd, pass_fds = _trusted_command(*args, deny_read, cache)

@@ -35,7 +35,18 @@ TRAINING_MODULES = ("training/template.py", "training/processor.py", "training/c
                     "training/lora.py", "training/optimizer.py", "training/loss.py", "training/sft.py")
 
 
+_FRESH_SEED: list[int | None] = [None]  # set by the recorder per recording (fresh=SEED), else None
+
+
+def set_fresh_seed(seed: int | None) -> None:
+    """Draw every probe's inputs from `seed` as well as the check's name (the grader's fresh pass records the same
+    checks on inputs no frozen reference holds); None: the frozen draws."""
+    _FRESH_SEED[0] = None if seed is None else int(seed)
+
+
 def rng_for(name: str) -> np.random.Generator:
+    if _FRESH_SEED[0] is not None:
+        name = f"fresh-{_FRESH_SEED[0]}/{name}"
     return np.random.default_rng(int(hashlib.sha256(name.encode()).hexdigest()[:8], 16))
 
 
