@@ -44,11 +44,12 @@ def _fig(x, fmt):
 
 def print_report(report: TwinReport) -> None:
     t = Table(title=f"twin of {report.task}, seed {report.seed} ({report.isolation})")
-    for col in ("property", "status", "first divergent", "max|d|", "rel", "digits", "modules / why"):
+    for col in ("property", "status", "tensor (first divergent, else closest call)", "max|d|", "rel", "digits",
+                "modules / why"):
         t.add_column(col)
     for r in report.results:
         colour = {ESTABLISHED: "green", VIOLATED: "red"}.get(r.status, "yellow")
-        d = r.first_divergent
+        d = r.first_divergent or max(r.tensors, key=lambda x: x.max_rel, default=None)
         why = r.candidate_error or r.torch_error and f"torch side: {r.torch_error}" or (d and d.why) or ""
         t.add_row(r.prop.key, f"[{colour}]{r.status}[/]", d and f"{d.name} {list(d.shape)}" or "",
                   _fig(d and d.max_abs, ".2e"), _fig(d and d.max_rel, ".2e"), _fig(d and d.digits, ".1f"),
