@@ -19,7 +19,7 @@ __all__ = ["CHILD_FILES", "run_candidate", "stage_twin_packages"]
 ROOT = Path(__file__).resolve().parents[1]
 # what the child imports of this repo besides the candidate: the twin's driver and candidate-side probes, and the
 # grader's exchange (standard library + numpy) with its two import-free package files
-CHILD_FILES = ("twin/__init__.py", "twin/child.py", "twin/properties.py", "twin/candidate_side",
+CHILD_FILES = ("twin/__init__.py", "twin/child.py", "twin/properties.py", "twin/shared.py", "twin/candidate_side",
                "grader/__init__.py", "grader/isolation/__init__.py", "grader/isolation/exchange.py")
 
 
