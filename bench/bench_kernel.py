@@ -80,10 +80,14 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--interpret", action="store_true", help="run the kernel interpreted (CPU)")
     p.add_argument("--small", action="store_true", help="tiny shapes for a smoke run")
+    p.add_argument("--decode", action="store_true", help="a pure decode batch (no prefill chunks) and its achieved "
+                   "K/V read bandwidth against the device's, measured by streaming a 1 GiB array")
     args = p.parse_args()
     if args.small:
         args.num_tokens, args.max_seqs, args.prefills, args.chunk, args.decodes = 64, 8, 2, 16, 4
         args.context, args.heads, args.kv_heads, args.head_dim, args.iters = 64, 4, 2, 16, 2
+    if args.decode:
+        args.prefills, args.num_tokens = 0, max(args.decodes, 8)
 
     jax.config.update("jax_default_matmul_precision", "highest")
     print(f"backend={jax.default_backend()} devices={jax.devices()}")
@@ -109,6 +113,19 @@ def main():
     print(f"kernel    {t_kernel * 1e3:9.3f} ms")
     print(f"reference {t_ref * 1e3:9.3f} ms")
     print(f"ratio reference/kernel {t_ref / t_kernel:.2f}x   max|kernel-reference| {err:.2e}")
+    if args.decode:
+        kv_bytes = int(np.asarray(batch[3]).sum()) * args.kv_heads * args.head_dim * 4 * 2  # K and V, fp32
+        peak = device_bandwidth(args.iters)
+        print(f"decode attention reads {kv_bytes / 2**20:.1f} MiB of K/V: {kv_bytes / t_kernel / 1e9:.1f} GB/s "
+              f"achieved, {100 * kv_bytes / t_kernel / 1e9 / peak:.0f}% of the device's {peak:.0f} GB/s "
+              f"(a 1 GiB array read and written)")
+
+
+def device_bandwidth(iters: int) -> float:
+    """GB/s the device streams: one read and one write of a 1 GiB fp32 array per call."""
+    x = jax.device_put(np.ones(1 << 28, np.float32))
+    f = jax.jit(lambda a: a * 1.0001)
+    return 2 * x.nbytes / bench(lambda: f(x), iters) / 1e9
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def main(cfg: DictConfig) -> None:
     try:
         options = GradeOptions(budget=BudgetPolicy.from_cfg(cfg.budget), spec_timeout=cfg.timeouts.spec,
                                numeric_timeout=cfg.timeouts.numeric, check_timeout_s=cfg.timeouts.check,
-                               trusted=bool(cfg.trusted))
+                               trusted=bool(cfg.trusted), jax_platforms=str(cfg.jax_platforms))
         report = grade(cfg, candidate, ROOT / cfg.references, ROOT / cfg.report_dir, options)
         if cfg.get("fresh") is not None:
             report["fresh"] = fresh_pass(cfg, candidate, int(cfg.fresh), options)

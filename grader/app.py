@@ -165,6 +165,7 @@ class GradeOptions:
     forkserver: object = None
     calibration: Calibration | None = None
     caps: object = None
+    jax_platforms: str = "cpu"  # the children's JAX backend: "cuda" runs the Pallas kernels compiled (make gpu-check)
 
 
 def grade(cfg, candidate: Path, references: Path, report_dir: Path, options: GradeOptions | None = None,
@@ -277,7 +278,7 @@ def grade(cfg, candidate: Path, references: Path, report_dir: Path, options: Gra
                 got, failed, took, usage = _run_group(
                     candidate, cfg, references, part, {s.key: inputs[s.key] for s in part}, group_budget, timeout,
                     check_timeout_s, trusted, compile_cache, group_executed, compile_seconds, forkserver, cpu_limit,
-                    caps)
+                    caps, o.jax_platforms)
                 produced.update(got)
                 errors.update(failed)
                 seconds.update(took)
@@ -344,7 +345,7 @@ def _series(key, reference: dict, produced: dict) -> dict:
 
 def _run_group(candidate, cfg, ref_dir, specs, inputs, budget, timeout, check_timeout_s=None, trusted=False,
                compile_cache=None, executed: dict | None = None, compile_seconds: dict | None = None,
-               forkserver=None, cpu_limit: float = math.inf, caps=None):
+               forkserver=None, cpu_limit: float = math.inf, caps=None, jax_platforms: str = "cpu"):
     """One sealed child on `inputs` (check key -> {name: array}); -> (outputs, errors, seconds, clock usage)
     per check. `budget`: the timed level's CPU seconds (None below L5), which the child keeps itself to;
     the grader kills its tree past `cpu_limit` CPU seconds or `timeout` wall seconds (its own clock). With
@@ -371,7 +372,7 @@ def _run_group(candidate, cfg, ref_dir, specs, inputs, budget, timeout, check_ti
         started = time.perf_counter()
         res = gate.run_sandboxed(candidate, f"grader.probes.{cfg_class(cfg)}:main", inputs_dir, out_dir, timeout,
                                  deny_read=(ref_dir,), trusted=trusted, compile_cache=compile_cache,
-                                 forkserver=forkserver, cpu_limit_s=cpu_limit, caps=caps)
+                                 forkserver=forkserver, cpu_limit_s=cpu_limit, caps=caps, jax_platforms=jax_platforms)
         elapsed = time.perf_counter() - started
         usage = res.usage
         over = None  # the grader's clock, never the child's: a child may end between two readings past a limit
