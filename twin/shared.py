@@ -4,10 +4,11 @@ child imports this module from its copy of the twin (twin/seal.py CHILD_FILES)."
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 
-__all__ = ["flat_config", "layout_arrays", "pad_rows", "serve"]
+__all__ = ["flat_config", "grouped", "layout_arrays", "pad_rows", "serve"]
 
 
 def flat_config(obj, prefix: str = "") -> dict[str, np.ndarray]:
@@ -43,6 +44,17 @@ def layout_arrays(layout: dict) -> dict[str, np.ndarray]:
     for i, name in enumerate(names):
         shapes[i, : len(layout[name])] = layout[name]
     return {"names": np.array(names), "shapes": shapes}
+
+
+def grouped(inp: dict, letter: str) -> list[dict]:
+    """{"<letter><i>.<rest>": v} -> [{rest: v} for i in order] (s<i>: a step, m<i>: a micro-batch, p<i>: a prompt):
+    the flat inputs file's names for nested batches."""
+    groups: dict[int, dict] = {}
+    for key, v in inp.items():
+        m = re.fullmatch(rf"{letter}(\d+)\.(.+)", key)
+        if m:
+            groups.setdefault(int(m[1]), {})[m[2]] = v
+    return [groups[i] for i in sorted(groups)]
 
 
 def pad_rows(rows, width=None, fill=-1, dtype=np.int64) -> np.ndarray:

@@ -7,7 +7,6 @@ outputs. Modules are imported lazily, so one that fails to import fails only the
 from __future__ import annotations
 
 import importlib
-import re
 import traceback
 from functools import cached_property
 from pathlib import Path
@@ -16,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from twin.shared import flat_config, layout_arrays
+from twin.shared import flat_config, grouped, layout_arrays
 
 __all__ = ["make_ctx", "PROBES"]
 
@@ -293,21 +292,11 @@ def probe_optimizer_step(ctx, inp):
     return {"lr": np.array([schedule(s) for s in range(steps)], np.float32), **lora.lora_state_dict(tree)}
 
 
-def _group(inp: dict, letter: str) -> list[dict]:
-    """{"<letter><i>.<rest>": v} -> [{rest: v} for i in order] (s<i>: a step, m<i>: a micro-batch, p<i>: a prompt)."""
-    groups: dict[int, dict] = {}
-    for key, v in inp.items():
-        m = re.fullmatch(rf"{letter}(\d+)\.(.+)", key)
-        if m:
-            groups.setdefault(int(m[1]), {})[m[2]] = v
-    return [groups[i] for i in sorted(groups)]
-
-
 def probe_train_step(ctx, inp):
     """The workflow's train_steps -> the step losses, then the adapters."""
     if ctx.method["name"] == "ppo":
         return _ppo_train_step(ctx, inp)
-    steps = [_group(step, "m") for step in _group(inp, "s")]
+    steps = [grouped(step, "m") for step in grouped(inp, "s")]
     losses, adapter = ctx.workflow.train_steps(ctx.assets["checkpoint"], _adapters(inp), steps, ctx.args)
     return {"losses": np.array(losses, np.float32), **adapter}
 
@@ -316,8 +305,8 @@ def _ppo_train_step(ctx, inp):
     """PPO's train_steps (rollouts included) -> each step's responses, then the STATS per step, the adapters and
     the value head."""
     w = ctx.workflow
-    steps = [[{k: np.asarray(v).tolist() for k, v in row.items()} for row in _group(step, "p")]
-             for step in _group(inp, "s")]
+    steps = [[{k: np.asarray(v).tolist() for k, v in row.items()} for row in grouped(step, "p")]
+             for step in grouped(inp, "s")]
     head = {k: v for k, v in inp.items() if k.startswith("v_head.")}
     eos, pad = w.generation_ids(ctx.assets["tokenizer"], ctx.args)
     stats, responses, adapter, head = w.train_steps(ctx.assets["checkpoint"], ctx.assets["reward_model"],

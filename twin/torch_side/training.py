@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import re
 import types
 import zlib
 from functools import cached_property
@@ -21,7 +20,7 @@ import torch
 
 from torch_sources.models.loading import tensor_index
 from twin.properties import Property
-from twin.shared import flat_config, layout_arrays
+from twin.shared import flat_config, grouped, layout_arrays
 
 __all__ = ["properties", "make_ctx", "draw", "run"]
 
@@ -569,21 +568,11 @@ def _run_optimizer_step(ctx, inp):
     return {"lr": np.array(lrs, np.float32), **{k: p.detach() for k, p in params.items()}}
 
 
-def _group(inp: dict, letter: str) -> list[dict]:
-    """{"<letter><i>.<rest>": v} -> [{rest: v} for i in order] (s<i>: a step, m<i>: a micro-batch, p<i>: a prompt)."""
-    groups: dict[int, dict] = {}
-    for key, v in inp.items():
-        m = re.fullmatch(rf"{letter}(\d+)\.(.+)", key)
-        if m:
-            groups.setdefault(int(m[1]), {})[m[2]] = v
-    return [groups[i] for i in sorted(groups)]
-
-
 def _run_train_step(ctx, inp):
     """The workflow's train_steps -> the step losses, then the adapters."""
     if ctx.spec.method == "ppo":
         return _ppo_train_step(ctx, inp)
-    steps = [_group(step, "m") for step in _group(inp, "s")]
+    steps = [grouped(step, "m") for step in grouped(inp, "s")]
     losses, adapter = ctx.workflow.train_steps(ctx.ckpt, _adapter_inputs(inp), steps, ctx.args)
     return {"losses": np.array(losses, np.float32), **adapter}
 
@@ -592,7 +581,7 @@ def _ppo_train_step(ctx, inp):
     """PPO's train_steps (rollouts included) -> each step's responses, then the STATS per step, the adapters and
     the value head."""
     a, w = ctx.spec.assets, ctx.workflow
-    steps = [[{k: v.tolist() for k, v in row.items()} for row in _group(step, "p")] for step in _group(inp, "s")]
+    steps = [[{k: v.tolist() for k, v in row.items()} for row in grouped(step, "p")] for step in grouped(inp, "s")]
     head = {k: v for k, v in inp.items() if k.startswith("v_head.")}
     eos, pad = w.generation_ids(a["tokenizer"], ctx.args)
     stats, responses, adapter, head = w.train_steps(ctx.ckpt, a["reward_model"], _adapter_inputs(inp), head, steps,
