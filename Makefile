@@ -12,12 +12,16 @@ LFSTAMP := $(VENV_LF)/.installed-stamp
 TASK   ?= llama3-sft
 SCALE  ?= tiny
 JOBS   ?= 2
+# The Hydra launcher of record-all (and, given on the command line, of make sweep's multirun form):
+# local (joblib on this machine, configs/hydra/launcher/local.yaml), local_submitit (submitit's local executor: the
+# Slurm path's job pickling, per-job logs and result collection on this machine) or cluster (Slurm; README, Re-recording)
+LAUNCHER ?= local
 # make test's pytest-xdist workers, one test file each at a time (module fixtures are built once per file)
 TEST_JOBS ?= 2
 PYTEST := $(PY) -m pytest -q -p no:randomly
 
 
-.PHONY: export export-check locks lf-env lf-parity venv verifier sandbox record record-all grade grade-all calibrate stability coverage-torch sweep test test-full bench assets stale clean-venv harbor-env
+.PHONY: twin gpu-check export export-check locks lf-env lf-parity venv verifier sandbox record record-all grade grade-all calibrate stability coverage-torch sweep test test-full bench assets stale clean-venv harbor-env
 
 venv: $(STAMP)
 
@@ -45,8 +49,14 @@ sandbox: verifier     ## what grading needs: the verifier env and bubblewrap (ap
 record: venv          ## make record TASK=llama3-sft
 	$(PY) -m recorder task=$(TASK)
 
-record-all: venv      ## every task, one Hydra multirun in parallel (joblib launcher)
-	$(PY) -m recorder -m 'task=glob(*)' hydra/launcher=local
+record-all: venv      ## every task, one Hydra multirun in parallel [LAUNCHER=local (joblib)|local_submitit|cluster]
+	$(PY) -m recorder -m 'task=glob(*)' hydra/launcher=$(LAUNCHER)
+
+twin: venv sandbox    ## the live twin: make twin TASK=llama3-sft [CANDIDATE=path] [SEED=0]: matched probes on fresh inputs, torch source vs candidate (README, The live twin)
+	$(PY) -m twin task=$(TASK) $(if $(CANDIDATE),candidate=$(CANDIDATE),) $(if $(SEED),seed=$(SEED),)
+
+gpu-check: venv       ## on a GPU: record a training and a serving task with device=cuda, grade the serving one with the Pallas kernel compiled, the decode kernel's bandwidth; without one: says so, exit 0
+	$(PY) tools/gpu_check.py
 
 grade: venv sandbox   ## make grade TASK=llama3-sft [CANDIDATE=path] [TRUSTED=true: no sandbox, oracles only]
 	$(PY) -m grader task=$(TASK) $(if $(CANDIDATE),candidate=$(CANDIDATE),) $(if $(TRUSTED),trusted=$(TRUSTED),)
@@ -72,8 +82,16 @@ coverage-torch: venv   ## branch coverage of torch_sources/ while recording ever
 # baseline is cached in reports/sweep/.cache), its L0-L4 in one child, children forked from a server that imported
 # jax once (grader/isolation/forkserver.py). The same as a Hydra multirun: python -m grader.sweep -m 'task=glob(*)' 'defect=glob(*)'
 # hydra/launcher=local (or cluster), then python -m grader.sweep aggregate=true (docs/SWEEP.md, issue 14).
-sweep: venv sandbox   ## seeded-defect sweep of every recorded task (hours on 2 cores); last line defects_caught=N/M strict_caught=S/M checks_tripped=K/L
+# make sweep LAUNCHER=... (on the command line or in the environment) runs that form through the launcher: one job per
+# (task, defect) pair, every task by every defect of the catalog; with local_submitit each is a process of its own
+# (seconds even where the defect does not apply), so it is the cluster's form, tried here on a few pairs first.
+sweep: venv sandbox   ## seeded-defect sweep of every recorded task (hours on 2 cores) [LAUNCHER=...: the multirun]; last line defects_caught=N/M strict_caught=S/M checks_tripped=K/L
+ifeq ($(origin LAUNCHER),file)
 	$(PY) -m grader.sweep --all --jobs $(JOBS)
+else
+	$(PY) -m grader.sweep -m 'task=glob(*)' 'defect=glob(*)' hydra/launcher=$(LAUNCHER)
+	$(PY) -m grader.sweep aggregate=true
+endif
 
 # torch==2.13.0 first (the CPU build on this disk), then the lock with --no-deps: pip's own resolution of llamafactory
 # would pull torchvision 0.28 / torchaudio 2.11, which do not load against torch 2.13 (tools/lf_parity/README.md).
