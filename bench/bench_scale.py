@@ -273,9 +273,8 @@ def _use_jax_cache(cache_dir: str) -> None:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
-def serve(side: str, scale: str, repeats: int, warmup: bool = False, jax_cache: str = "") -> dict:
-    """One fresh engine: [warm-up], a cold pass (the engine's first requests: compiles in the path unless a warm-up
-    or the persistent cache took them out), then `repeats` warm passes of the same prompts."""
+def _fresh_engine(side: str, scale: str, jax_cache: str):
+    """The serve workload's prompts and a freshly built engine (its compile clock and build seconds)."""
     model_dir, s = checkpoint(scale), SHAPES[scale]
     prompts = _serve_prompts(model_dir, scale, s["requests"])
     kw = _engine_kw(scale, s["requests"])
@@ -284,7 +283,14 @@ def serve(side: str, scale: str, repeats: int, warmup: bool = False, jax_cache: 
         _use_jax_cache(jax_cache)
     t0 = time.perf_counter()
     engine, cfg = _engine(side, model_dir, kw)
-    out = {"build_s": time.perf_counter() - t0, "warmup_s": None}
+    return s, prompts, kw, clock, engine, cfg, time.perf_counter() - t0
+
+
+def serve(side: str, scale: str, repeats: int, warmup: bool = False, jax_cache: str = "") -> dict:
+    """One fresh engine: [warm-up], a cold pass (the engine's first requests: compiles in the path unless a warm-up
+    or the persistent cache took them out), then `repeats` warm passes of the same prompts."""
+    s, prompts, kw, clock, engine, cfg, build_s = _fresh_engine(side, scale, jax_cache)
+    out = {"build_s": build_s, "warmup_s": None}
     if warmup:
         out.update(warm_up(engine, cfg, kw))
     out["warmup_compile_s"] = clock.get("compile_s")
@@ -415,15 +421,8 @@ def prefill_profile(side: str, scale: str, jax_cache: str = "") -> dict:
     """Where the time to first token goes on the serve workload's prompts: a cold pass (fresh engine, compiles
     in the path), a warm pass, and (JAX) the same warm prefill under other token-bucket grids (the padding
     of the prompt tokens to a power of two)."""
-    model_dir, s = checkpoint(scale), SHAPES[scale]
-    prompts = _serve_prompts(model_dir, scale, s["requests"])
-    kw = _engine_kw(scale, s["requests"])
-    clock = _compile_clock() if side == "jax" else {}
-    if side == "jax":
-        _use_jax_cache(jax_cache)
-    t0 = time.perf_counter()
-    engine, cfg = _engine(side, model_dir, kw)
-    out = {"build_s": time.perf_counter() - t0, "prompt_tokens": sum(map(len, prompts))}
+    s, prompts, kw, clock, engine, cfg, build_s = _fresh_engine(side, scale, jax_cache)
+    out = {"build_s": build_s, "prompt_tokens": sum(map(len, prompts))}
     params = cfg.SamplingParams(temperature=0.0, max_tokens=s["new_tokens"], ignore_eos=True)
     out["cold"] = _profiled_pass(side, engine, prompts, params, clock)
     out["warm"] = _profiled_pass(side, engine, prompts, params, clock)
@@ -431,7 +430,7 @@ def prefill_profile(side: str, scale: str, jax_cache: str = "") -> dict:
         total = out["prompt_tokens"]
         grids = {"x128": [16, 32, 64] + list(range(128, 4097, 128)), "exact": [16, total]}
         for name, grid in grids.items():
-            engine, cfg = _engine(side, model_dir, kw, token_buckets=grid)
+            engine, cfg = _engine(side, checkpoint(scale), kw, token_buckets=grid)
             _profiled_pass(side, engine, prompts, params, clock)  # compiles this grid's bucket
             out[name] = _profiled_pass(side, engine, prompts, params, clock)
             del engine
