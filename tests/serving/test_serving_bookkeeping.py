@@ -606,6 +606,9 @@ def test_pick_bucket(s):
     with pytest.raises(ValueError):
         s.pick_bucket(17, [4, 8, 16])
     assert s.make_token_buckets(40, 8) == [8, 16, 32, 64]
+    # past 256 tokens the grid steps by 256: a prompt pads by less than that, not by up to its own length
+    assert s.make_token_buckets(1337) == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536]
+    assert s.make_token_buckets(1000, 16, 128)[-3:] == [768, 896, 1024]
 
 
 def test_block_tables_hold_no_null_block_and_padding_points_at_it(s):

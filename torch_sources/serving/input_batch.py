@@ -46,11 +46,13 @@ def pick_bucket(n: int, buckets: Sequence[int]) -> int:
     return ordered[i]
 
 
-def make_token_buckets(max_num_tokens: int, min_bucket: int = 16) -> list[int]:
-    """Powers of two from min_bucket, the last one >= max_num_tokens (tpu-inference's default bucket grid)."""
+def make_token_buckets(max_num_tokens: int, min_bucket: int = 16, step: int = 256) -> list[int]:
+    """Powers of two from min_bucket up to `step` (tpu-inference's default grid), then multiples of `step`, the last
+    one >= max_num_tokens: a step pads fewer than `step` tokens, where doubling would pad up to as many again as it
+    holds (1337 prompt tokens: 1536, not 2048); each bucket is one more compiled variant."""
     buckets = [min_bucket]
     while buckets[-1] < max_num_tokens:
-        buckets.append(buckets[-1] * 2)
+        buckets.append(buckets[-1] * 2 if buckets[-1] < step else buckets[-1] + step)
     return buckets
 
 
