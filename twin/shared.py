@@ -4,11 +4,13 @@ child imports this module from its copy of the twin (twin/seal.py CHILD_FILES)."
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
+import traceback
 
 import numpy as np
 
-__all__ = ["flat_config", "grouped", "layout_arrays", "pad_rows", "serve"]
+__all__ = ["flat_config", "grouped", "importable", "layout_arrays", "pad_rows", "serve"]
 
 
 def flat_config(obj, prefix: str = "") -> dict[str, np.ndarray]:
@@ -34,6 +36,19 @@ def flat_config(obj, prefix: str = "") -> dict[str, np.ndarray]:
     out = {}
     for k, v in items:
         out.update(flat_config(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def importable(modules) -> dict[str, np.ndarray]:
+    """{module: 1 if it imports, else 0} (candidate side; the failure's traceback goes to the child's stderr)."""
+    out = {}
+    for module in map(str, modules):
+        try:
+            importlib.import_module(module)
+            out[module] = np.int32(1)
+        except Exception:  # any failure while importing is the finding, reported per module
+            traceback.print_exc()
+            out[module] = np.int32(0)
     return out
 
 

@@ -15,7 +15,7 @@ from functools import cached_property, wraps
 import jax
 import jax.numpy as jnp
 import numpy as np
-from twin.shared import flat_config, serve
+from twin.shared import flat_config, importable, layout_arrays, serve
 
 __all__ = ["make_ctx", "PROBES"]
 
@@ -90,21 +90,11 @@ def probe_config(ctx, inp):
 
 
 def probe_param_tree(ctx, inp):
-    layout = ctx.conversion.hf_layout(ctx.conversion.load_params(ctx.ckpt))
-    names = sorted(layout)
-    return {"names": np.array(names), "shapes": np.array(["x".join(map(str, layout[k])) for k in names])}
+    return layout_arrays(ctx.conversion.hf_layout(ctx.conversion.load_params(ctx.ckpt)))
 
 
 def probe_importable(ctx, inp):
-    out = {}
-    for module in map(str, inp["modules"]):
-        try:
-            importlib.import_module(module)
-            out[module] = np.int32(1)
-        except Exception as e:  # noqa: BLE001 - any failure to import is the finding
-            print(f"importable: {module}: {type(e).__name__}: {e}")
-            out[module] = np.int32(0)
-    return out
+    return importable(inp["modules"])
 
 
 # ---- L1 -----------------------------------------------------------------------------------------------------

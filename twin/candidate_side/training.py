@@ -7,7 +7,6 @@ outputs. Modules are imported lazily, so one that fails to import fails only the
 from __future__ import annotations
 
 import importlib
-import traceback
 from functools import cached_property
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from twin.shared import flat_config, grouped, layout_arrays
+from twin.shared import flat_config, grouped, importable, layout_arrays
 
 __all__ = ["make_ctx", "PROBES"]
 
@@ -111,17 +110,8 @@ def probe_param_tree(ctx, inp):
     return layout_arrays(ctx.conversion.hf_layout(ctx.params))
 
 
-def _imports(name: str) -> int:
-    try:
-        importlib.import_module(name)
-        return 1
-    except Exception:  # any failure while importing is the finding, reported per module
-        traceback.print_exc()
-        return 0
-
-
 def probe_importable(ctx, inp):
-    return {str(m): np.int32(_imports(str(m))) for m in inp["modules"]}
+    return importable(inp["modules"])
 
 
 # ---- L1 operators -------------------------------------------------------------------------------
