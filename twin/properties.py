@@ -7,10 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LEVELS", "Property", "ESTABLISHED", "VIOLATED", "NOT_ESTABLISHED"]
+__all__ = ["CONVERSION_RULES", "LEVELS", "Property", "ESTABLISHED", "VIOLATED", "NOT_ESTABLISHED"]
 
 LEVELS = ("L0", "L1", "L2", "L3", "L4", "L5")
 ESTABLISHED, VIOLATED, NOT_ESTABLISHED = "established", "violated", "not established"
+# the rules every family's converter table runs on (conversion/<family>.py is a table of them): a layout property
+# points at both
+CONVERSION_RULES = "conversion/rules.py"
 
 
 @dataclass(frozen=True)

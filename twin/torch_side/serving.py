@@ -28,8 +28,8 @@ from torch_sources.serving import sampler as smp
 from torch_sources.serving.config import EngineConfig, SamplingParams
 from torch_sources.serving.engine import LLMEngine
 from torch_sources.serving.model_runner import ModelRunner
-from twin.properties import Property
-from twin.shared import flat_config, pad_rows, serve
+from twin.properties import CONVERSION_RULES, Property
+from twin.shared import flat_config, layout_arrays, pad_rows, serve
 
 __all__ = ["properties", "make_ctx", "draw", "run"]
 
@@ -134,12 +134,11 @@ def run_config(ctx, inp):
 
 def run_param_tree(ctx, inp):
     """The checkpoint tensors the model reads, by HF name (a Gemma 4 release's text model under its text names,
-    towers skipped) -> sorted names, then their shapes as strings."""
+    towers skipped) -> sorted names, then their shapes."""
     layout = {name: tuple(e["shape"]) for name, (_, e) in tensor_index(ctx.task.ckpt).items()}
     if hasattr(ctx.task.family, "text_state_dict"):
         layout = ctx.task.family.text_state_dict(ctx.config, layout)
-    names = sorted(layout)
-    return {"names": np.array(names), "shapes": np.array(["x".join(map(str, layout[k])) for k in names])}
+    return layout_arrays(layout)
 
 
 def candidate_modules(task: Task) -> list[str]:
@@ -501,7 +500,8 @@ def probes(task: Task) -> list[Probe]:
     fam_file, srv_file, runner = "jax_oracles/" + task.model_module, task.serving_file, "serving_engine/model_runner.py"
     out = [probe("L0/config", "the family config from config.json, field by field", [fam_file, conv], draw_none,
                  run_config, rtol=0.0),
-           probe("L0/param_tree", "hf_layout(load_params): every checkpoint tensor by name and shape", [conv],
+           probe("L0/param_tree", "hf_layout(load_params): every checkpoint tensor by name and shape",
+                 [conv, CONVERSION_RULES],
                  draw_none, run_param_tree),
            probe("L0/importable", "the serving engine, kernels, family model and converter import",
                  map(module_file, candidate_modules(task)), draw_importable, run_importable)]

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from torch_sources.models.loading import tensor_index
-from twin.properties import Property
+from twin.properties import CONVERSION_RULES, Property
 from twin.shared import flat_config, grouped, layout_arrays
 
 __all__ = ["properties", "make_ctx", "draw", "run"]
@@ -105,7 +105,7 @@ def properties(spec) -> list[Property]:
         # exact: both sides parse the same config.json, so no field may differ even by a float32 rounding
         p("L0/config", "Config.from_pretrained(checkpoint): every field", *_dataclass_types(t.config), rtol=0.0),
         Property("L0/param_tree", "conversion hf_layout(load_params) = the checkpoint's tensor names and shapes",
-                 (t.conversion,)),
+                 (t.conversion, CONVERSION_RULES)),
         Property("L0/importable", "every module the task needs imports",
                  _files(*t.mirrored, t.lm, t.lora, t.optimizer, t.loss, t.sft, t.workflow) + (t.conversion,)),
     ]
