@@ -5,7 +5,9 @@ forward_paged over the ragged batch -> hidden of each request's last scheduled t
 Static shapes keep the number of compilations small: the flat token axis is padded to a bucket
 (make_token_buckets: 16, 32, 64, ...), the per-sequence axis to max_num_seqs (1 in core mode), the block
 table to max_blocks_per_seq; a pure decode step is its own variant of its bucket (max_q_len 1: the CPU
-attention gathers each sequence's pages once, not each padded token's). The KV cache is an argument and a result of `step`, donated, so XLA updates
+attention gathers each sequence's pages once, not each padded token's); above 256 tokens or slots a step
+is also compiled for bounds on its longest query and its longest sequence (query_bound, kv_page_bound), so
+that its attention works on the pages its sequences reach, not on max_model_len. The KV cache is an argument and a result of `step`, donated, so XLA updates
 it in place (tpu-inference's `donate_argnums` on kv_caches); the runner keeps only the returned value.
 Per step the host reads back the sampled ids, plus the raw log-prob rows of only those requests that ask for
 logprobs (prompt logprobs switch to a variant of the step that also returns every token's log-probs). Rows
@@ -82,14 +84,46 @@ def _encode(family, model, pixel_values, grid_thw):
     return family.embed_multimodal(model, pixel_values, grid_thw)
 
 
-def attention_metadata(batch: BatchMetadata, impl: str = "auto") -> AttentionMetadata:
+# Static bounds a step's attention is compiled for, on a grid that starts at 256 so that a step whose token bucket and
+# block table hold at most 256 is compiled as it would be without them (every tiny-scale task's steps).
+BOUND_FLOOR = 256
+KV_BOUND_STEP = 128  # slots: a decode step of sequences of <= 320 tokens in a 512-slot table reads 384 slots' pages
+
+
+def query_bound(longest: int, num_tokens: int) -> int | None:
+    """Static bound on any sequence's new tokens: 1 in a pure decode step; above BOUND_FLOOR tokens a power of two
+    (>= 64) that holds the longest, which sizes the CPU attention's query blocks; else None (the token bucket)."""
+    if longest <= 1:
+        return 1
+    if num_tokens <= BOUND_FLOOR:
+        return None
+    bound = 64
+    while bound < longest:
+        bound *= 2
+    return min(bound, num_tokens)
+
+
+def kv_page_bound(longest: int, block_size: int, table_width: int) -> int:
+    """Pages of the block table a step's attention reads: every live sequence's, on the grid BOUND_FLOOR,
+    + KV_BOUND_STEP, ... slots (the whole table at or under BOUND_FLOOR slots, as without a bound)."""
+    slots = max(BOUND_FLOOR, -(-longest // KV_BOUND_STEP) * KV_BOUND_STEP)
+    return min(table_width, -(-slots // block_size))
+
+
+def attention_metadata(batch: BatchMetadata, impl: str = "auto", block_size: int | None = None) -> AttentionMetadata:
     """Host arrays (numpy) of one step; jit moves them to the device with the call. A pure decode step
-    (every sequence one new token) says so statically: max_q_len 1, one query block per sequence."""
-    q_lens = np.diff(batch.query_start_loc[: batch.num_seqs + 1])
+    (every sequence one new token) says so statically: max_q_len 1, one query per sequence. With block_size,
+    the block table is cut to the pages the step's longest sequence reaches (kv_page_bound): its width is part
+    of the compiled variant, as the token bucket is."""
+    live = batch.num_seqs
+    q_lens = np.diff(batch.query_start_loc[: live + 1])
+    table = _i32(batch.block_tables)
+    if block_size is not None and live:
+        table = table[:, :kv_page_bound(int(max(batch.seq_lens[:live])), block_size, table.shape[1])]
     return AttentionMetadata(slot_mapping=_i32(batch.slot_mapping), kv_lens=_i32(batch.seq_lens),
-                             page_indices=_i32(batch.block_tables), cu_q_lens=_i32(batch.query_start_loc),
-                             num_seqs=_i32([batch.num_seqs]), impl=impl,
-                             max_q_len=1 if q_lens.size and q_lens.max() <= 1 else None)
+                             page_indices=np.ascontiguousarray(table), cu_q_lens=_i32(batch.query_start_loc),
+                             num_seqs=_i32([live]), impl=impl,
+                             max_q_len=query_bound(int(q_lens.max()), batch.padded_num_tokens) if q_lens.size else None)
 
 
 class ModelRunner:
@@ -114,8 +148,8 @@ class ModelRunner:
         self.num_steps = 0  # steps run: the engine-wide noise of unseeded requests is keyed by it
         self.num_compilations = 0  # traces of the jitted functions (each trace is one XLA compilation)
         self.buckets_used: set[int] = set()  # token buckets execute_model has run
-        # (token bucket, max_q_len) pairs it has run: each is one compiled variant of the step
-        self.variants_used: set[tuple[int, int | None]] = set()
+        # (token bucket, max_q_len, block-table width) it has run: each is one compiled variant of the step
+        self.variants_used: set[tuple[int, int | None, int]] = set()
         self.multimodal = bool(getattr(self.family, "MULTIMODAL", False))
         self.encoder_cache: dict[str, np.ndarray] = {}  # mm_hash -> the encoder's rows f32[n,D] of that image
         self.mrope_tables: dict[str, tuple[list[list[int]], int]] = {}  # request id -> (prompt's 3 x L rows, delta)
@@ -216,9 +250,9 @@ class ModelRunner:
         step, self.num_steps = self.num_steps, self.num_steps + 1
         batch = build_batch_metadata(out, requests, cfg.block_size, self.max_num_seqs, cfg.max_blocks_per_seq,
                                      self.token_buckets)
-        attn_meta = attention_metadata(batch, self.attn_impl)
+        attn_meta = attention_metadata(batch, self.attn_impl, cfg.block_size)
         self.buckets_used.add(batch.padded_num_tokens)
-        self.variants_used.add((batch.padded_num_tokens, attn_meta.max_q_len))
+        self.variants_used.add((batch.padded_num_tokens, attn_meta.max_q_len, attn_meta.page_indices.shape[1]))
         sampling = SamplingMetadata.from_requests([requests[r] for r in batch.req_ids], self.vocab_size,
                                                   num_rows=self.max_num_seqs, sample_rows=out.will_sample,
                                                   engine_seed=cfg.seed, step=step)
@@ -278,7 +312,7 @@ class ModelRunner:
                           self._image_rows(batch, request, encoded))
         positions, images_in = self._step_inputs(batch, multimodal)
         logits, self.kv_cache = self._forward_logits(self.model, self.kv_cache, _i32(batch.input_ids), positions,
-                                                     attention_metadata(batch, self.attn_impl), images_in)
+                                                     attention_metadata(batch, self.attn_impl, self.engine_config.block_size), images_in)
         return logits[: batch.num_tokens]
 
     def prefill_logits(self, token_ids: Sequence[int], images: Sequence = ()):

@@ -340,7 +340,8 @@ def test_compilations_stay_few():
     used, variants = engine.runner.buckets_used, set(engine.runner.variants_used)
     n = engine.stats()["num_compilations"]
     assert 1 < len(used) <= len(engine.runner.token_buckets)
-    assert {b for b, _ in variants} == used and {q for _, q in variants} == {1, None}
+    assert {b for b, _, _ in variants} == used and {q for _, q, _ in variants} == {1, None}
+    assert {w for _, _, w in variants} == {cfg.max_blocks_per_seq}  # a table of <= 256 slots is never cut
     assert 0 < n <= len(variants) <= 2 * len(used)
     for i, p in enumerate(rng.integers(3, 400, (6, 33)).tolist()):
         engine.add_request(f"again{i}", p, params)
@@ -348,6 +349,39 @@ def test_compilations_stay_few():
         engine.step()
     new_variants = engine.runner.variants_used - variants
     assert engine.stats()["num_compilations"] <= n + len(new_variants)
+
+
+def test_attention_bounds():
+    """Above 256 tokens or slots a step is compiled for its longest query and its longest sequence: the bounds
+    hold what they bound, on a grid, and leave a step at or under 256 as it was."""
+    from serving_engine.model_runner import kv_page_bound, query_bound
+    assert query_bound(1, 2048) == 1 and query_bound(0, 16) == 1  # pure decode
+    assert query_bound(40, 256) is None and query_bound(200, 128) is None  # at or under the floor: the bucket
+    assert [query_bound(n, 1536) for n in (2, 64, 65, 256, 257, 1500)] == [64, 64, 128, 256, 512, 1536]
+    assert [kv_page_bound(n, 16, 32) for n in (1, 256, 257, 320, 385, 512)] == [16, 16, 24, 24, 32, 32]
+    assert kv_page_bound(100, 4, 32) == 32  # a 128-slot table: whole
+    assert kv_page_bound(300, 10, 100) == 39  # 384 slots of pages of 10
+    from serving_engine.kernels.blocked_attention import choose_block_q
+    assert choose_block_q(1536, 8, 256) == 256  # 8 prompts of <= 256 tokens: a block each
+    assert choose_block_q(3072, 64, 256) == 64  # 64 prompts: small blocks, little padding
+    assert choose_block_q(16, 8, 4) == 16  # never above the bound's rows (the caller clips to max_q_len)
+
+
+@pytest.mark.parametrize("family", ["llama3", "gemma4"])
+def test_bounded_steps_match_torch_engine(family):
+    """A 512-slot table and prompts past 256 tokens: prefill and decode steps run with a query bound and a cut
+    block table (gemma4: under its sliding window too); greedy outputs and log-probs as the torch engine's."""
+    kw = dict(mode="ragged", block_size=16, num_blocks=80, max_num_seqs=4, max_num_batched_tokens=1024,
+              max_model_len=512)
+    j, j_out, t, t_out = _run_both(family, kw, _prompts(5, [300, 41, 130]), max_tokens=4)
+    _assert_same_outputs(j_out, t_out)
+    for a, b in zip(j_out, t_out):
+        for da, db in zip(a.logprobs, b.logprobs):
+            np.testing.assert_allclose([x.logprob for x in da.values()], [x.logprob for x in db.values()],
+                                       atol=1e-4)
+    variants = j.runner.variants_used
+    assert {w for _, _, w in variants} == {24}  # 300 + 4 tokens: 384 slots of the 512
+    assert {q for _, q, _ in variants} == {512, 1}  # the prefill of 471 tokens (512 bucket), then pure decode
 
 
 def test_kv_cache_is_donated():
