@@ -210,8 +210,8 @@ def warm_up(engine, cfg, kw: dict, token_id: int = 7) -> dict:
     torch's first-call allocations) leave the timed path; the engine itself is not changed (serving_engine/ is
     the graded oracle, and its torch twin must keep the same public names).
 
-    One step in each token bucket a step can fill (powers of two from 16 up to the step budget: the JAX runner's
-    default grid, serving_engine.input_batch.make_token_buckets), each filled by whole prompts prefilled together
+    One step in each token bucket a step can fill (powers of two from 16 up to the step budget, a subset of the JAX
+    runner's default grid, serving_engine.input_batch.make_token_buckets), each filled by whole prompts prefilled together
     (exactly, or as far as max_num_seqs prompts of max_model_len - 2 tokens reach); then, for each power-of-two row bucket up to max_num_seqs, that many requests decoding
     together (a pure decode step is its own compiled variant of its bucket). Greedy, 2 new tokens each, the
     same sampling flags as the workloads (another flag set, e.g. top-k, would compile its own variant). Every
@@ -229,10 +229,10 @@ def warm_up(engine, cfg, kw: dict, token_id: int = 7) -> dict:
             k = -(-t // longest)
             groups.append([t // k + (i < t % k) for i in range(k)])
     rows = 1
-    while rows < seqs:  # decode: a step of each row bucket (16, 32, ... up to max_num_seqs)
+    groups.append([4])
+    while rows < seqs:  # decode: a step of each row bucket (1, 2, 4, 8: row_buckets; then 16, 32, ... up to max_num_seqs)
         rows = min(rows * 2, seqs)
-        if rows >= 16 or rows == seqs:
-            groups.append([4] * rows)
+        groups.append([4] * rows)
     params = cfg.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     t0, steps = time.perf_counter(), engine.num_steps
     for g, lengths in enumerate(groups):

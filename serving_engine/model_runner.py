@@ -3,7 +3,7 @@
 execute_model: SchedulerOutput -> input_batch.BatchMetadata (plain lists) -> numpy -> `step`, jitted:
 forward_paged over the ragged batch -> hidden of each request's last scheduled token -> logits -> Sampler.
 Static shapes keep the number of compilations small: the flat token axis is padded to a bucket
-(make_token_buckets: 16, 32, 64, ...), the per-sequence axis to max_num_seqs (1 in core mode), the block
+(row_buckets 1, 2, 4, 8 up to max_num_seqs, then make_token_buckets: 16, 32, 64, ...), the per-sequence axis to max_num_seqs (1 in core mode), the block
 table to max_blocks_per_seq; a pure decode step is its own variant of its bucket (max_q_len 1: the CPU
 attention gathers each sequence's pages once, not each padded token's); above 256 tokens or slots a step
 is also compiled for bounds on its longest query and its longest sequence (query_bound, kv_page_bound), so
@@ -110,6 +110,17 @@ def kv_page_bound(longest: int, block_size: int, table_width: int) -> int:
     return min(table_width, -(-slots // block_size))
 
 
+def row_buckets(max_num_seqs: int, min_bucket: int = 16) -> list[int]:
+    """Token buckets below the grid's first (make_token_buckets), for decode steps of few sequences: powers of two
+    up to the first that holds max_num_seqs. A decode step's matmuls stream every weight for however many rows it
+    has, and XLA:CPU's take longer the more rows they have (`bench/matmul_stream.py --rows R` at small scale: 10.8 ms
+    for one row, 20.3 for 4, 27.0 for 16), so a lone sequence pads to 1 row, not 16."""
+    buckets = [1]
+    while buckets[-1] < min(max_num_seqs, min_bucket // 2):
+        buckets.append(buckets[-1] * 2)
+    return buckets
+
+
 def attention_metadata(batch: BatchMetadata, impl: str = "auto", block_size: int | None = None) -> AttentionMetadata:
     """Host arrays (numpy) of one step; jit moves them to the device with the call. A pure decode step
     (every sequence one new token) says so statically: max_q_len 1, one query per sequence. With block_size,
@@ -138,9 +149,10 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(self.model_config, engine_config)
         self.attn_impl = attn_impl
         self.max_num_seqs = cfg.max_running
-        self.token_buckets = list(token_buckets or make_token_buckets(cfg.max_num_batched_tokens))
+        self.token_buckets = list(token_buckets or
+                                  row_buckets(cfg.max_running) + make_token_buckets(cfg.max_num_batched_tokens))
         # prefill_logits / teacher_forced_decode run one whole prompt, which may exceed a chunked budget.
-        self._check_buckets = make_token_buckets(max(cfg.max_num_batched_tokens, cfg.max_model_len))
+        self._check_buckets = row_buckets(1) + make_token_buckets(max(cfg.max_num_batched_tokens, cfg.max_model_len))
         # Of the last execute_model, for the requests that asked: the sampled token's logprobs dict, and
         # (prompt position, dict of the next prompt token) for each prompt position it computed.
         self.sampled_logprobs: dict[str, dict[int, Logprob]] = {}
