@@ -3,7 +3,7 @@
 execute_model: SchedulerOutput -> input_batch.BatchMetadata (plain lists) -> numpy -> `step`, jitted:
 forward_paged over the ragged batch -> hidden of each request's last scheduled token -> logits -> Sampler.
 Static shapes keep the number of compilations small: the flat token axis is padded to a bucket
-(row_buckets 1, 2, 4, 8 up to max_num_seqs, then make_token_buckets: 16, 32, 64, ...), the per-sequence axis to max_num_seqs (1 in core mode), the block
+(make_token_buckets: 16, 32, 64, ...; and 1 in core mode), the per-sequence axis to max_num_seqs (1 in core mode), the block
 table to max_blocks_per_seq; a pure decode step is its own variant of its bucket (max_q_len 1: the CPU
 attention gathers each sequence's pages once, not each padded token's); above 256 tokens or slots a step
 is also compiled for bounds on its longest query and its longest sequence (query_bound, kv_page_bound), so
@@ -110,15 +110,13 @@ def kv_page_bound(longest: int, block_size: int, table_width: int) -> int:
     return min(table_width, -(-slots // block_size))
 
 
-def row_buckets(max_num_seqs: int, min_bucket: int = 16) -> list[int]:
-    """Token buckets below the grid's first (make_token_buckets), for decode steps of few sequences: powers of two
-    up to the first that holds max_num_seqs. A decode step's matmuls stream every weight for however many rows it
-    has, and XLA:CPU's take longer the more rows they have (`bench/matmul_stream.py --rows R` at small scale: 10.8 ms
-    for one row, 20.3 for 4, 27.0 for 16), so a lone sequence pads to 1 row, not 16."""
-    buckets = [1]
-    while buckets[-1] < min(max_num_seqs, min_bucket // 2):
-        buckets.append(buckets[-1] * 2)
-    return buckets
+# A bucket of one token below the grid's first (make_token_buckets: 16) for an engine of one sequence at a time
+# (core mode): its decode steps stream every weight for one row, not 16, and XLA:CPU's matmuls take longer the more
+# rows they have (`bench/matmul_stream.py --rows R` at small scale: 10.8 ms for one row, 20.3 for 4, 27.0 for 16).
+# An engine of several sequences keeps the grid: a bucket for its lone-sequence tails (and 2, 4, 8 rows) is one more
+# compiled variant each, which at tiny scale, where compiling dominates, took a chunked task's engine run from 0.43
+# to 0.56 of its time budget (0.85 with all four).
+LONE_ROW_BUCKET = [1]
 
 
 def attention_metadata(batch: BatchMetadata, impl: str = "auto", block_size: int | None = None) -> AttentionMetadata:
@@ -149,10 +147,10 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(self.model_config, engine_config)
         self.attn_impl = attn_impl
         self.max_num_seqs = cfg.max_running
-        self.token_buckets = list(token_buckets or
-                                  row_buckets(cfg.max_running) + make_token_buckets(cfg.max_num_batched_tokens))
+        lone = LONE_ROW_BUCKET if cfg.max_running == 1 else []
+        self.token_buckets = list(token_buckets or lone + make_token_buckets(cfg.max_num_batched_tokens))
         # prefill_logits / teacher_forced_decode run one whole prompt, which may exceed a chunked budget.
-        self._check_buckets = row_buckets(1) + make_token_buckets(max(cfg.max_num_batched_tokens, cfg.max_model_len))
+        self._check_buckets = LONE_ROW_BUCKET + make_token_buckets(max(cfg.max_num_batched_tokens, cfg.max_model_len))
         # Of the last execute_model, for the requests that asked: the sampled token's logprobs dict, and
         # (prompt position, dict of the next prompt token) for each prompt position it computed.
         self.sampled_logprobs: dict[str, dict[int, Logprob]] = {}
