@@ -18,7 +18,8 @@ IGNORE_INDEX = -100
 
 def causal_lm_loss(logits, labels, num_items_in_batch=None):
     """logits f32[B,T,V], labels i32[B,T] -> f32 scalar."""
-    # A barrier: XLA:CPU otherwise fuses the softmax's row max into the head's matmul, which then runs ~1.6x slower
+    # A barrier meant to keep XLA:CPU from fusing the softmax's row max into the head's matmul (~1.6x slower fused).
+    # jaxlib 0.10's XLA:CPU removes barriers before it fuses, so the two are fused again there (docs/PERFORMANCE.md).
     logits = jax.lax.optimization_barrier(logits.astype(jnp.float32))
     shift_labels = jnp.pad(labels[:, 1:], ((0, 0), (0, 1)), constant_values=IGNORE_INDEX)  # i32[B,T]
     logp = jax.nn.log_softmax(logits, axis=-1)
