@@ -229,11 +229,10 @@ def warm_up(engine, cfg, kw: dict, token_id: int = 7) -> dict:
             k = -(-t // longest)
             groups.append([t // k + (i < t % k) for i in range(k)])
     rows = 1
-    groups.append([4])  # decode: a lone sequence (the runner's bucket of one token), then each row bucket 16, 32, ...
+    groups.append([4])  # decode: each row bucket, 1, 2, 4, 8 (the runner's row_buckets), 16, 32, ... up to max_num_seqs
     while rows < seqs:
         rows = min(rows * 2, seqs)
-        if rows >= 16 or rows == seqs:
-            groups.append([4] * rows)
+        groups.append([4] * rows)
     params = cfg.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     t0, steps = time.perf_counter(), engine.num_steps
     for g, lengths in enumerate(groups):

@@ -3,7 +3,7 @@
 execute_model: SchedulerOutput -> input_batch.BatchMetadata (plain lists) -> numpy -> `step`, jitted:
 forward_paged over the ragged batch -> hidden of each request's last scheduled token -> logits -> Sampler.
 Static shapes keep the number of compilations small: the flat token axis is padded to a bucket
-(make_token_buckets: 16, 32, 64, ...; and 1 in core mode), the per-sequence axis to max_num_seqs (1 in core mode), the block
+(make_token_buckets: 16, 32, 64, ...; below 16, row_buckets for decode steps of few sequences), the per-sequence axis to max_num_seqs (1 in core mode), the block
 table to max_blocks_per_seq; a pure decode step is its own variant of its bucket (max_q_len 1: the CPU
 attention gathers each sequence's pages once, not each padded token's); above 256 tokens or slots a step
 is also compiled for bounds on its longest query and its longest sequence (query_bound, kv_page_bound), so
@@ -110,13 +110,25 @@ def kv_page_bound(longest: int, block_size: int, table_width: int) -> int:
     return min(table_width, -(-slots // block_size))
 
 
-# A bucket of one token below the grid's first (make_token_buckets: 16) for an engine of one sequence at a time
-# (core mode): its decode steps stream every weight for one row, not 16, and XLA:CPU's matmuls take longer the more
-# rows they have (`bench/matmul_stream.py --rows R` at small scale: 10.8 ms for one row, 20.3 for 4, 27.0 for 16).
-# An engine of several sequences keeps the grid: a bucket for its lone-sequence tails (and 2, 4, 8 rows) is one more
-# compiled variant each, which at tiny scale, where compiling dominates, took a chunked task's engine run from 0.43
-# to 0.56 of its time budget (0.85 with all four).
 LONE_ROW_BUCKET = [1]
+
+
+def row_buckets(max_num_seqs: int, max_model_len: int, min_bucket: int = 16) -> list[int]:
+    """Token buckets below the grid's first (make_token_buckets: 16) for decode steps of few sequences. A decode
+    step streams every weight for however many rows it has, and XLA:CPU's matmuls take longer the more rows they
+    have (`bench/matmul_stream.py --rows R` at small scale: 10.8 ms for one row, 20.3 for 4, 27.0 for 16).
+    An engine of one sequence (core mode) decodes in one row. An engine of several takes powers of two up to the
+    first that holds max_num_seqs only where its sequences may pass BOUND_FLOOR tokens: each bucket is a compiled
+    variant, and at tiny scale (max_model_len 128), where compiling dominates, buckets of 1, 2, 4 and 8 rows took a
+    chunked task's engine run from 0.43 to 0.85 of its time budget."""
+    if max_num_seqs == 1:
+        return list(LONE_ROW_BUCKET)
+    if max_model_len <= BOUND_FLOOR:
+        return []
+    buckets = [1]
+    while buckets[-1] < min(max_num_seqs, min_bucket // 2):
+        buckets.append(buckets[-1] * 2)
+    return buckets
 
 
 def attention_metadata(batch: BatchMetadata, impl: str = "auto", block_size: int | None = None) -> AttentionMetadata:
@@ -147,8 +159,8 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(self.model_config, engine_config)
         self.attn_impl = attn_impl
         self.max_num_seqs = cfg.max_running
-        lone = LONE_ROW_BUCKET if cfg.max_running == 1 else []
-        self.token_buckets = list(token_buckets or lone + make_token_buckets(cfg.max_num_batched_tokens))
+        self.token_buckets = list(token_buckets or row_buckets(cfg.max_running, cfg.max_model_len) +
+                                  make_token_buckets(cfg.max_num_batched_tokens))
         # prefill_logits / teacher_forced_decode run one whole prompt, which may exceed a chunked budget.
         self._check_buckets = LONE_ROW_BUCKET + make_token_buckets(max(cfg.max_num_batched_tokens, cfg.max_model_len))
         # Of the last execute_model, for the requests that asked: the sampled token's logprobs dict, and

@@ -354,7 +354,10 @@ def test_compilations_stay_few():
 def test_attention_bounds():
     """Above 256 tokens or slots a step is compiled for its longest query and its longest sequence: the bounds
     hold what they bound, on a grid, and leave a step at or under 256 as it was."""
-    from serving_engine.model_runner import kv_page_bound, query_bound
+    from serving_engine.model_runner import kv_page_bound, query_bound, row_buckets
+    # decode rows below the grid's 16: one in core mode; powers of two only where sequences may pass 256 tokens
+    assert [row_buckets(n, 512) for n in (1, 2, 3, 8, 64)] == [[1], [1, 2], [1, 2, 4], [1, 2, 4, 8], [1, 2, 4, 8]]
+    assert [row_buckets(n, 128) for n in (1, 8)] == [[1], []]
     assert query_bound(1, 2048) == 1 and query_bound(0, 16) == 1  # pure decode
     assert query_bound(40, 256) is None and query_bound(200, 128) is None  # at or under the floor: the bucket
     assert [query_bound(n, 1536) for n in (2, 64, 65, 256, 257, 1500)] == [64, 64, 128, 256, 512, 1536]
@@ -382,7 +385,7 @@ def test_bounded_steps_match_torch_engine(family):
     variants = j.runner.variants_used
     assert {w for _, _, w in variants} == {24}  # 300 + 4 tokens: 384 slots of the 512
     assert {q for _, q, _ in variants} == {512, 1}  # the prefill of 471 tokens (512 bucket), then pure decode
-    assert {b for b, q, _ in variants if q == 1} == {16}  # three sequences decode in the grid's first bucket
+    assert {b for b, q, _ in variants if q == 1} == {4}  # three sequences decode in a bucket of 4 rows
 
 
 def test_lone_sequence_decodes_in_one_row():
