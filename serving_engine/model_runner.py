@@ -3,12 +3,13 @@
 execute_model: SchedulerOutput -> input_batch.BatchMetadata (plain lists) -> numpy -> `step`, jitted:
 forward_paged over the ragged batch -> hidden of each request's last scheduled token -> logits -> Sampler.
 Static shapes keep the number of compilations small: the flat token axis is padded to a bucket
-(make_token_buckets: 16, 32, 64, ...; below 16, row_buckets for decode steps of few sequences), the per-sequence axis to max_num_seqs (1 in core mode), the block
-table to max_blocks_per_seq; a pure decode step is its own variant of its bucket (max_q_len 1: the CPU
-attention gathers each sequence's pages once, not each padded token's); above 256 tokens or slots a step
-is also compiled for bounds on its longest query and its longest sequence (query_bound, kv_page_bound), so
-that its attention works on the pages its sequences reach, not on max_model_len. The KV cache is an argument and a result of `step`, donated, so XLA updates
-it in place (tpu-inference's `donate_argnums` on kv_caches); the runner keeps only the returned value.
+(make_token_buckets: 16, 32, 64, ...; below 16, row_buckets for decode steps of few sequences), the
+per-sequence axis to max_num_seqs (1 in core mode), the block table to max_blocks_per_seq; a pure decode step
+is its own variant of its bucket (max_q_len 1: the CPU attention gathers each sequence's pages once, not each
+padded token's); above 256 tokens or slots a step is also compiled for bounds on its longest query and its
+longest sequence (query_bound, kv_page_bound), so that its attention works on the pages its sequences reach,
+not on max_model_len. The KV cache is an argument and a result of `step`, donated, so XLA updates it in place
+(tpu-inference's `donate_argnums` on kv_caches); the runner keeps only the returned value.
 Per step the host reads back the sampled ids, plus the raw log-prob rows of only those requests that ask for
 logprobs (prompt logprobs switch to a variant of the step that also returns every token's log-probs). Rows
 whose token is discarded (a partial prefill chunk, a padding row) are sampled greedily and ignored.
@@ -110,9 +111,6 @@ def kv_page_bound(longest: int, block_size: int, table_width: int) -> int:
     return min(table_width, -(-slots // block_size))
 
 
-LONE_ROW_BUCKET = [1]
-
-
 def row_buckets(max_num_seqs: int, max_model_len: int, min_bucket: int = 16) -> list[int]:
     """Token buckets below the grid's first (make_token_buckets: 16) for decode steps of few sequences. A decode
     step streams every weight for however many rows it has, and XLA:CPU's matmuls take longer the more rows they
@@ -122,7 +120,7 @@ def row_buckets(max_num_seqs: int, max_model_len: int, min_bucket: int = 16) -> 
     variant, and at tiny scale (max_model_len 128), where compiling dominates, buckets of 1, 2, 4 and 8 rows took a
     chunked task's engine run from 0.43 to 0.85 of its time budget."""
     if max_num_seqs == 1:
-        return list(LONE_ROW_BUCKET)
+        return [1]
     if max_model_len <= BOUND_FLOOR:
         return []
     buckets = [1]
@@ -162,7 +160,8 @@ class ModelRunner:
         self.token_buckets = list(token_buckets or row_buckets(cfg.max_running, cfg.max_model_len) +
                                   make_token_buckets(cfg.max_num_batched_tokens))
         # prefill_logits / teacher_forced_decode run one whole prompt, which may exceed a chunked budget.
-        self._check_buckets = LONE_ROW_BUCKET + make_token_buckets(max(cfg.max_num_batched_tokens, cfg.max_model_len))
+        self._check_buckets = row_buckets(1, cfg.max_model_len) + make_token_buckets(
+            max(cfg.max_num_batched_tokens, cfg.max_model_len))
         # Of the last execute_model, for the requests that asked: the sampled token's logprobs dict, and
         # (prompt position, dict of the next prompt token) for each prompt position it computed.
         self.sampled_logprobs: dict[str, dict[int, Logprob]] = {}
@@ -333,8 +332,9 @@ class ModelRunner:
             multimodal = (_i32(mrope_positions(batch, {"0": (np.asarray(table).tolist(), int(delta))})),
                           self._image_rows(batch, request, encoded))
         positions, images_in = self._step_inputs(batch, multimodal)
+        meta = attention_metadata(batch, self.attn_impl, self.engine_config.block_size)
         logits, self.kv_cache = self._forward_logits(self.model, self.kv_cache, _i32(batch.input_ids), positions,
-                                                     attention_metadata(batch, self.attn_impl, self.engine_config.block_size), images_in)
+                                                     meta, images_in)
         return logits[: batch.num_tokens]
 
     def prefill_logits(self, token_ids: Sequence[int], images: Sequence = ()):
